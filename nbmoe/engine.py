@@ -1,0 +1,156 @@
+"""The Python API: load a GGUF, tokenize, evaluate tokens into logits, generate text.
+
+    llm = nbmoe.load("model.gguf", n_ctx=2048, threads=2)
+    logits = llm.eval(llm.tokenize("text"))     # [T, V] float32, appended to the KV cache
+    for piece in llm.generate("prompt", max_tokens=64, temperature=0.0): print(piece, end="")
+"""
+import os
+import time
+
+import numba
+import numpy as np
+
+from .arch import config_from_meta
+from .backend_cpu import CPUBackend
+from .errors import NbmoeError
+from .gguf_file import GGUFFile
+from .kv_cache import KVCache
+from .model import build_graph, check_tensors
+from .sampling import Sampler, SamplingParams
+from .scheduler import make_plan
+from .tokenizer import StreamDecoder, Tokenizer
+
+
+class _State:
+    """What changes between runs of a bound graph: where in the cache this batch starts."""
+
+    def __init__(self, kv):
+        self.kv, self.pos0 = kv, 0
+
+
+class LLM:
+    def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512):
+        self.path = os.fspath(path)
+        self.file = GGUFFile(self.path)
+        meta, tensors = self.file.meta, self.file.tensors
+        emb = tensors.get("token_embd.weight")
+        self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None)
+        self.backends = {"CPU": CPUBackend()}
+        check_tensors(self.cfg, tensors, self.backends["CPU"].supports_type)
+        self.tokenizer = Tokenizer.from_meta(meta)
+        self.output_weight = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        self.threads = threads or default_threads()
+        self.n_ubatch = max(1, int(n_ubatch))
+        self.kv = KVCache(self.cfg, n_ctx)
+        self.n_ctx = n_ctx
+        self.state = _State(self.kv)
+        self.tokens = []            # token ids whose keys/values are in the cache
+        self._plans = {}
+        self.last_stats = {}
+
+    # ---- tokens -------------------------------------------------------------------------
+    def tokenize(self, text, add_bos=None, special=True):
+        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
+
+    def detokenize(self, ids):
+        return self.tokenizer.decode(list(ids))
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def reset(self):
+        """Empty the KV cache."""
+        self.tokens = []
+
+    def plan(self, n_tokens, n_logits):
+        key = (n_tokens, n_logits)
+        if key not in self._plans:
+            g = build_graph(self.cfg, n_tokens, n_logits, self.output_weight)
+            self._plans[key] = make_plan(g, self.backends, self.file.tensors, self.state)
+        return self._plans[key]
+
+    def _decode(self, ids, all_logits, timings=None):
+        """Run `ids` through the model after the cached tokens, in micro-batches of n_ubatch.
+        Returns logits of every position (all_logits) or of the last one only."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise NbmoeError("nothing to evaluate: empty token list")
+        if len(self.tokens) + len(ids) > self.n_ctx:
+            raise NbmoeError(f"{len(ids)} tokens after {len(self.tokens)} cached exceed the "
+                             f"context of {self.n_ctx} (use a larger -c / n_ctx)")
+        bad = [i for i in ids if not 0 <= i < self.cfg.n_vocab]
+        if bad:
+            raise NbmoeError(f"token id {bad[0]} outside the vocabulary of {self.cfg.n_vocab}")
+        numba.set_num_threads(self.threads)
+        out = []
+        for start in range(0, len(ids), self.n_ubatch):
+            chunk = ids[start:start + self.n_ubatch]
+            last = start + len(chunk) == len(ids)
+            n_logits = len(chunk) if all_logits else (1 if last else 0)
+            plan = self.plan(len(chunk), n_logits)
+            plan.buffers["tokens"][:] = chunk
+            plan.buffers["pos"][:] = np.arange(len(self.tokens), len(self.tokens) + len(chunk))
+            self.state.pos0 = len(self.tokens)
+            plan.run() if timings is None else plan.run_timed(timings)
+            self.tokens.extend(chunk)
+            if n_logits:
+                out.append(plan.buffers["logits"].copy())
+        return np.concatenate(out) if all_logits else out[-1][-1]
+
+    def eval(self, ids):
+        """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""
+        return self._decode(ids, all_logits=True)
+
+    # ---- generation ---------------------------------------------------------------------
+    def _reuse_prefix(self, ids):
+        """Keep the cached tokens that `ids` starts with; return the ids still to evaluate."""
+        n = 0
+        limit = min(len(self.tokens), len(ids) - 1)   # always evaluate at least one token
+        while n < limit and self.tokens[n] == ids[n]:
+            n += 1
+        del self.tokens[n:]
+        return ids[n:]
+
+    def generate_ids(self, prompt_ids, max_tokens=128, sampler=None, stop_ids=None):
+        """Yield generated token ids. The cache keeps the longest common prefix of the
+        previous sequence and this prompt (so a chat pays only for its new turn)."""
+        sampler = sampler or Sampler(SamplingParams(temperature=0.0))
+        stop = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        prompt_ids = list(prompt_ids)
+        t0 = time.perf_counter()
+        todo = self._reuse_prefix(prompt_ids)
+        logits = self._decode(todo, all_logits=False)
+        t1 = time.perf_counter()
+        stats = self.last_stats = dict(n_prompt=len(todo), t_prompt=t1 - t0, n_gen=0, t_gen=0.0)
+        for i in range(max_tokens):
+            tok = sampler.sample(logits, self.tokens)
+            if tok in stop:
+                break
+            stats["n_gen"] += 1
+            yield tok
+            if i + 1 == max_tokens or len(self.tokens) >= self.n_ctx:
+                break
+            logits = self._decode([tok], all_logits=False)
+            stats["t_gen"] = time.perf_counter() - t1
+
+    def generate(self, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95,
+                 min_p=0.05, repeat_penalty=1.0, seed=None, add_bos=None):
+        """Yield text pieces as they are generated (UTF-8 characters are never split)."""
+        ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=seed)
+        stream = StreamDecoder(self.tokenizer)
+        for tok in self.generate_ids(ids, max_tokens, Sampler(params)):
+            piece = stream.push(tok)
+            if piece:
+                yield piece
+        rest = stream.flush()
+        if rest:
+            yield rest
+
+
+def default_threads():
+    """Like llama.cpp: one thread per available core (at most Numba's pool size)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
+
+
+def load(path, n_ctx=2048, threads=None, n_ubatch=512):
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch)
