@@ -8,8 +8,15 @@ import numba
 if "NUMBA_SLP_VECTORIZE" not in os.environ:
     numba.config.SLP_VECTORIZE = 1
 
-from .engine import LLM, load  # noqa: E402
 from .errors import NbmoeError  # noqa: E402
 
 __all__ = ["LLM", "load", "NbmoeError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The engine is imported on first use, so `import nbmoe.cpu.ops` stays light.
+    if name in ("LLM", "load"):
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(name)

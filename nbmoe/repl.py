@@ -1,0 +1,112 @@
+"""Chat with a model: `python -m nbmoe [-m model.gguf] [sampling flags]`.
+
+Type a message and press Enter; the reply streams as it is generated. Commands:
+/reset (forget the conversation), /stats (speed of the last reply), /quit.
+Piped input works too: `echo "Hi" | python -m nbmoe -n 32` answers each line in turn.
+"""
+import argparse
+import sys
+
+from .cli_common import add_model_args, err_console, friendly_errors, resolve_model, warm_up
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nbmoe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens per reply")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument("-sys", "--system-prompt", default=None, help="system message")
+    return p.parse_args(argv)
+
+
+class Chat:
+    """A conversation: the messages so far, rendered through the model's chat template."""
+
+    def __init__(self, llm, args):
+        from .chat import render_chat
+        from .sampling import Sampler, SamplingParams
+        self.llm, self.args, self.render = llm, args, render_chat
+        self.sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
+                                              args.repeat_penalty, seed=args.seed))
+        tok = llm.tokenizer
+        self.template = llm.file.meta.get("tokenizer.chat_template")
+        self.bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        self.eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.args.system_prompt}] if self.args.system_prompt else []
+        self.llm.reset()
+
+    def reply(self, text, out):
+        from .tokenizer import StreamDecoder
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.render(self.template, self.messages, self.bos, self.eos, add_generation_prompt=True)
+        # the template writes the BOS text itself where the model wants one
+        ids = self.llm.tokenize(prompt, add_bos=False, special=True)
+        stream, pieces = StreamDecoder(self.llm.tokenizer), []
+        for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler):
+            piece = stream.push(tok)
+            if piece:
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        pieces.append(stream.flush())
+        out.write(pieces[-1] + "\n")
+        self.messages.append({"role": "assistant", "content": "".join(pieces).strip()})
+
+    def stats_line(self):
+        s = self.llm.last_stats
+        if not s:
+            return "no reply yet"
+        pp = s["n_prompt"] / s["t_prompt"] if s["t_prompt"] else 0.0
+        tg = s["n_gen"] / s["t_gen"] if s["t_gen"] else 0.0
+        return (f"prompt {s['n_prompt']} tokens {pp:.1f} t/s | generated {s['n_gen']} tokens "
+                f"{tg:.1f} t/s | context {len(self.llm.tokens)}/{self.llm.n_ctx}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with friendly_errors():
+        from .engine import load
+        path = resolve_model(args.model)
+        with err_console.status(f"loading {path}"):
+            llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size)
+        warm_up(llm)
+        chat = Chat(llm, args)
+        interactive = sys.stdin.isatty()
+        if interactive:
+            err_console.print(f"[bold]nbmoe[/] chatting with {llm.cfg.arch} model {path}\n"
+                              "commands: /reset /stats /quit")
+        while True:
+            if interactive:
+                err_console.print("[bold green]> [/]", end="")
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/reset":
+                chat.reset()
+                err_console.print("conversation cleared")
+                continue
+            if text == "/stats":
+                err_console.print(chat.stats_line())
+                continue
+            chat.reply(text, sys.stdout)
+            err_console.print(f"[dim]{chat.stats_line()}[/]")
+
+
+if __name__ == "__main__":
+    main()
