@@ -18,7 +18,7 @@ from .kv_cache import KVCache
 from .model import build_graph, check_tensors
 from .sampling import Sampler, SamplingParams
 from .scheduler import make_plan
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import Tokenizer
 
 
 class _State:
@@ -136,7 +136,7 @@ class LLM:
         """Yield text pieces as they are generated (UTF-8 characters are never split)."""
         ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=seed)
-        stream = StreamDecoder(self.tokenizer)
+        stream = self.tokenizer.stream()
         for tok in self.generate_ids(ids, max_tokens, Sampler(params)):
             piece = stream.push(tok)
             if piece:

@@ -31,15 +31,10 @@ class Chat:
     """A conversation: the messages so far, rendered through the model's chat template."""
 
     def __init__(self, llm, args):
-        from .chat import render_chat
         from .sampling import Sampler, SamplingParams
-        self.llm, self.args, self.render = llm, args, render_chat
+        self.llm, self.args = llm, args
         self.sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
                                               args.repeat_penalty, seed=args.seed))
-        tok = llm.tokenizer
-        self.template = llm.file.meta.get("tokenizer.chat_template")
-        self.bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        self.eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         self.reset()
 
     def reset(self):
@@ -47,12 +42,10 @@ class Chat:
         self.llm.reset()
 
     def reply(self, text, out):
-        from .tokenizer import StreamDecoder
+        from .chat import chat_prompt_ids
         self.messages.append({"role": "user", "content": text})
-        prompt = self.render(self.template, self.messages, self.bos, self.eos, add_generation_prompt=True)
-        # the template writes the BOS text itself where the model wants one
-        ids = self.llm.tokenize(prompt, add_bos=False, special=True)
-        stream, pieces = StreamDecoder(self.llm.tokenizer), []
+        ids = chat_prompt_ids(self.llm.tokenizer, self.messages)   # the GGUF's template
+        stream, pieces = self.llm.tokenizer.stream(), []
         for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler):
             piece = stream.push(tok)
             if piece:
