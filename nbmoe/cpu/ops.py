@@ -1,0 +1,360 @@
+"""Element-wise and row-wise ops of a transformer layer on CPU: norms, rope, activations, adds.
+
+Letters: T tokens in the micro-batch, D model dim, H heads, Dh head dim, N rows, F FFN width.
+All activations are float32 and C-contiguous.
+
+Each op has a plain single-threaded @njit driver (`_<op>_seq`), a prange driver (`_<op>_par`)
+for prompt batches, and a public @njit entry point that picks one by size. Callers (Python or
+other @njit code) pay one Numba dispatch (~0.3 us) and no Python-side checks: T=1 decode calls
+this ~300 times a token. The thresholds are module constants, frozen into the cached machine
+code: after changing one, delete nbmoe/cpu/__pycache__. error_model="numpy" everywhere: no
+ZeroDivisionError checks, whose branches would stop loops from vectorizing.
+"""
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Elements of work below which the single-threaded path wins: a parallel region costs
+# ~1.5 us, and on a busy 2-core machine can wait a scheduler tick at its end barrier.
+PAR_MIN_ELEMS = 1 << 15
+
+# Floating-point licences for loops with reductions: reassociation lets LLVM split a sum over
+# vector lanes. No nnan/ninf, so NaN and inf still behave (softmax max-subtraction uses -inf).
+FM = {"nsz", "arcp", "contract", "reassoc"}
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that k * _LN2_HI is exact (Cody-Waite)
+_LN2_LO = np.float32(1.4286068203094172e-06)
+_ROUND = np.float32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
+
+
+@njit(cache=True, error_model="numpy", fastmath={"contract"})
+def exp_f32(x):
+    """exp(x) for float32, relative error < 2e-7, in plain arithmetic so loops vectorize.
+
+    libm expf is a scalar call LLVM cannot vectorize (no SVML). exp(x) = 2^k * exp(r) with
+    k = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (truncation error
+    r^7/7! < 1.3e-7). x is clamped to [-87, 88] so 2^k stays a normal float: exp(-inf) gives
+    ~1.6e-38 rather than 0. NaN propagates. Compiled without reassociation, which would fold
+    the rounding trick and the split ln 2 away.
+    """
+    if x < np.float32(-87.0):
+        x = np.float32(-87.0)
+    if x > np.float32(88.0):
+        x = np.float32(88.0)
+    kf = (x * _LOG2E + _ROUND) - _ROUND  # round to nearest integer without a libm call
+    r = x - kf * _LN2_HI
+    r = r - kf * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    two_k = np.int32((np.int32(kf) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p * two_k
+
+
+# ---------------------------------------------------------------- rms_norm
+# out[N, Dn] = x / sqrt(mean(x^2) + eps) * w, row by row. Rows are contiguous.
+# Called on [T, D] with w[D] (layer norms) or on [T, H, Dh] with w[Dh] (QK-norm: each head
+# normed separately). The sum of squares is accumulated in float64. Parallel over rows.
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _rms_norm_row(out, x, w, eps):
+    n = x.shape[0]
+    ss = 0.0
+    for i in range(n):
+        v = np.float64(x[i])
+        ss += v * v
+    r = np.float32(1.0 / math.sqrt(ss / n + eps))
+    for i in range(n):
+        out[i] = x[i] * r * w[i]
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _rms_norm_seq(out, x, w, eps):
+    for r in range(x.shape[0]):
+        _rms_norm_row(out[r], x[r], w, eps)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM, parallel=True)
+def _rms_norm_par(out, x, w, eps):
+    for r in prange(x.shape[0]):
+        _rms_norm_row(out[r], x[r], w, eps)
+
+
+@njit(cache=True, error_model="numpy")
+def rms_norm(out, x, w, eps):
+    """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x.
+
+    x, out: any shape whose size is a multiple of Dn = w.shape[0], C-contiguous float32.
+    """
+    n = w.shape[0]
+    x2 = x.reshape(x.size // n, n)  # [N, Dn]
+    out2 = out.reshape(out.size // n, n)
+    if x.size >= PAR_MIN_ELEMS and x2.shape[0] > 1:
+        _rms_norm_par(out2, x2, w, eps)
+    else:
+        _rms_norm_seq(out2, x2, w, eps)
+
+
+# ---------------------------------------------------------------- add, scale
+# out = a + b and out = x * s element-wise over flat C-contiguous arrays of equal size.
+# out may alias an input. Parallel over elements.
+
+@njit(cache=True, error_model="numpy")
+def _add_seq(out, a, b):
+    for i in range(out.shape[0]):
+        out[i] = a[i] + b[i]
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _add_par(out, a, b):
+    for i in prange(out.shape[0]):
+        out[i] = a[i] + b[i]
+
+
+@njit(cache=True, error_model="numpy")
+def add(out, a, b):
+    """out = a + b element-wise (same shapes, C-contiguous); out may alias a or b."""
+    o1, a1, b1 = out.reshape(out.size), a.reshape(a.size), b.reshape(b.size)
+    if out.size >= PAR_MIN_ELEMS:
+        _add_par(o1, a1, b1)
+    else:
+        _add_seq(o1, a1, b1)
+
+
+@njit(cache=True, error_model="numpy")
+def _scale_seq(out, x, s):
+    for i in range(out.shape[0]):
+        out[i] = x[i] * s
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _scale_par(out, x, s):
+    for i in prange(out.shape[0]):
+        out[i] = x[i] * s
+
+
+@njit(cache=True, error_model="numpy")
+def scale(out, x, s):
+    """out = x * s element-wise (C-contiguous); out may alias x."""
+    s32 = np.float32(s)
+    o1, x1 = out.reshape(out.size), x.reshape(x.size)
+    if out.size >= PAR_MIN_ELEMS:
+        _scale_par(o1, x1, s32)
+    else:
+        _scale_seq(o1, x1, s32)
+
+
+# ---------------------------------------------------------------- rope
+# x[T, H, Dh] in place; pos[T] int32. Rotary position embedding on the first n_rot dims
+# of every head: pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with angle
+#   theta_i = pos * freq_scale * freq_base^(-2i / n_rot),  i = 0 .. n_rot/2 - 1.
+# Normal mode (llama GGUFs) pairs dims (2i, 2i+1); NeoX mode (qwen, gemma) pairs (i, i + n_rot/2).
+# Angles, cos and sin are computed in float64 once per token (positions reach 1e5, where a
+# float32 angle is off by ~1e-2 rad), the rotation in float32. Parallel over tokens.
+# The cos/sin tables cost most of a T=1 call (n_rot libm calls); every layer's q and k share
+# them, so a caller can build them once per batch (rope_tables) and call rope_apply.
+
+@njit(cache=True, error_model="numpy")
+def rope_tables(cs, sn, pos, n_rot, freq_base, freq_scale=1.0):
+    """cs, sn [T, n_rot/2] float32 <- cos, sin of theta[t, i] for positions pos [T]."""
+    half = n_rot // 2
+    inv_freq = np.empty(half, np.float64)
+    for i in range(half):
+        inv_freq[i] = freq_scale * freq_base ** (-2.0 * i / n_rot)
+    for t in range(pos.shape[0]):
+        p = np.float64(pos[t])
+        for i in range(half):
+            theta = p * inv_freq[i]
+            cs[t, i] = math.cos(theta)
+            sn[t, i] = math.sin(theta)
+
+
+@njit(cache=True, error_model="numpy")
+def _rope_token(xt, c, s, neox):
+    """Rotate each head of xt [H, Dh] by the angles whose cos, sin are c, s [n_rot/2]."""
+    half = c.shape[0]
+    for h in range(xt.shape[0]):
+        v = xt[h]
+        if neox:
+            for i in range(half):
+                x0 = v[i]
+                x1 = v[i + half]
+                v[i] = x0 * c[i] - x1 * s[i]
+                v[i + half] = x0 * s[i] + x1 * c[i]
+        else:
+            for i in range(half):
+                x0 = v[2 * i]
+                x1 = v[2 * i + 1]
+                v[2 * i] = x0 * c[i] - x1 * s[i]
+                v[2 * i + 1] = x0 * s[i] + x1 * c[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _rope_seq(x, cs, sn, neox):
+    for t in range(x.shape[0]):
+        _rope_token(x[t], cs[t], sn[t], neox)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _rope_par(x, cs, sn, neox):
+    for t in prange(x.shape[0]):
+        _rope_token(x[t], cs[t], sn[t], neox)
+
+
+@njit(cache=True, error_model="numpy")
+def rope_apply(x, cs, sn, neox):
+    """Rotate x [T, H, Dh] in place by tables cs, sn [T, n_rot/2] from rope_tables."""
+    if x.size >= PAR_MIN_ELEMS and x.shape[0] > 1:
+        _rope_par(x, cs, sn, neox)
+    else:
+        _rope_seq(x, cs, sn, neox)
+
+
+@njit(cache=True, error_model="numpy")
+def rope(x, pos, n_rot, freq_base, neox, freq_scale=1.0):
+    """Rotate the first n_rot dims of each head of x [T, H, Dh] in place (pos [T] int32)."""
+    cs = np.empty((x.shape[0], n_rot // 2), np.float32)
+    sn = np.empty((x.shape[0], n_rot // 2), np.float32)
+    rope_tables(cs, sn, pos, n_rot, freq_base, freq_scale)
+    rope_apply(x, cs, sn, neox)
+
+
+# ---------------------------------------------------------------- swiglu, geglu
+# out[N, F] = act(gate) * up, N = T (dense FFN) or T*A (routed experts); rows contiguous,
+# gate/up may be row-strided views (e.g. halves of a fused [N, 2F] matmul output).
+#   silu(g)      = g / (1 + exp(-g))
+#   gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+#                = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))   (no cancellation near 0)
+# exp is exp_f32, so the inner loop vectorizes. Parallel over rows.
+
+_GELU_K = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_C = np.float32(0.044715)
+
+
+@njit(cache=True, error_model="numpy")
+def _swiglu_row(out, gate, up):
+    for i in range(out.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + exp_f32(-g)) * up[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _geglu_row(out, gate, up):
+    for i in range(out.shape[0]):
+        g = gate[i]
+        z = _GELU_K * (g + _GELU_C * g * g * g)
+        out[i] = g / (np.float32(1.0) + exp_f32(-z)) * up[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _swiglu_seq(out, gate, up):
+    for r in range(out.shape[0]):
+        _swiglu_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _swiglu_par(out, gate, up):
+    for r in prange(out.shape[0]):
+        _swiglu_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy")
+def _geglu_seq(out, gate, up):
+    for r in range(out.shape[0]):
+        _geglu_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _geglu_par(out, gate, up):
+    for r in prange(out.shape[0]):
+        _geglu_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy")
+def swiglu(out, gate, up):
+    """out[N, F] = silu(gate) * up; out may alias gate or up."""
+    if out.size >= PAR_MIN_ELEMS and out.shape[0] > 1:
+        _swiglu_par(out, gate, up)
+    else:
+        _swiglu_seq(out, gate, up)
+
+
+@njit(cache=True, error_model="numpy")
+def geglu(out, gate, up):
+    """out[N, F] = gelu_tanh(gate) * up (gemma); out may alias gate or up."""
+    if out.size >= PAR_MIN_ELEMS and out.shape[0] > 1:
+        _geglu_par(out, gate, up)
+    else:
+        _geglu_seq(out, gate, up)
+
+
+# ---------------------------------------------------------------- softmax_rows
+# x[N, V] in place: x = exp(x - max) / sum(exp(x - max)) per row (sampling over the vocab).
+# Parallel over rows.
+
+@intrinsic
+def _maxnum(typingctx, a, b):
+    """llvm.maxnum: the larger of two floats, the other one if either is NaN. Unlike a compare
+    and select, LLVM vectorizes a reduction over it (vmaxps)."""
+    if a != b or a not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ty = args[0].type
+        name = "llvm.maxnum.f32" if ty == ir.FloatType() else "llvm.maxnum.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)
+        return builder.call(fn, args)
+
+    return a(a, b), codegen
+
+
+@njit(cache=True, error_model="numpy")
+def row_max(x):
+    """max of a float32 row, NaNs skipped; -inf for an empty row."""
+    m = np.float32(-np.inf)
+    for i in range(x.shape[0]):
+        m = _maxnum(m, x[i])
+    return m
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _softmax_row(x):
+    m = row_max(x)
+    s = np.float32(0.0)  # reassociated into 32 partial sums; a float64 sum halves the speed
+    for i in range(x.shape[0]):
+        e = exp_f32(x[i] - m)
+        x[i] = e
+        s += e
+    inv = np.float32(1.0 / s)
+    for i in range(x.shape[0]):
+        x[i] *= inv
+
+
+@njit(cache=True, error_model="numpy")
+def _softmax_seq(x):
+    for r in range(x.shape[0]):
+        _softmax_row(x[r])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _softmax_par(x):
+    for r in prange(x.shape[0]):
+        _softmax_row(x[r])
+
+
+@njit(cache=True, error_model="numpy")
+def softmax_rows(x):
+    """Softmax of each row of x [N, V] in place."""
+    if x.size >= PAR_MIN_ELEMS and x.shape[0] > 1:
+        _softmax_par(x)
+    else:
+        _softmax_seq(x)
