@@ -15,9 +15,11 @@ import os
 import platform
 import sys
 import time
+from collections import defaultdict
 from datetime import datetime, timezone
 
 import numpy as np
+from gguf import LlamaFileType
 from rich.console import Console
 from rich.table import Table
 
@@ -57,10 +59,21 @@ def model_facts(llm):
             per_token += t.n_bytes / cfg.n_vocab        # one row looked up
         else:
             per_token += t.n_bytes
-    ftype = max(((t.type_name, t.n_bytes) for t in tensors.values()), key=lambda kv: kv[1])[0]
+    ftype = file_type_name(llm.file.meta, tensors)
     experts = f"{cfg.n_expert}x" if cfg.is_moe else ""
     label = f"{cfg.arch} {experts}{human(n_params)} {ftype}"
     return dict(size=size, n_params=n_params, bytes_per_token=per_token, label=label)
+
+
+def file_type_name(meta, tensors):
+    """llama.cpp's name for the file's main quantization (general.file_type), e.g. Q4_1."""
+    try:
+        return LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError):
+        by_type = defaultdict(int)
+        for t in tensors.values():
+            by_type[t.type_name] += t.n_bytes
+        return max(by_type, key=by_type.get)
 
 
 def human(n):
@@ -164,7 +177,10 @@ def print_rows(rows, fmt, facts):
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), str(r["n_ubatch"]), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs)
-    Console(soft_wrap=True).print(table)
+    console = Console()
+    if not console.is_terminal:   # piped: do not wrap the table at 80 columns
+        console = Console(width=200)
+    console.print(table)
     print(f"weights read per generated token: {facts['bytes_per_token'] / 2**20:.1f} MiB "
           f"(active experts only)", file=sys.stdout)
 

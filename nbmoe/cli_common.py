@@ -6,7 +6,7 @@ from rich.console import Console
 
 from .errors import NbmoeError
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def add_model_args(p):
