@@ -60,6 +60,13 @@ def test_upcycled_default_model_writes_what_dense_writes(smollm2_path, smollm2_m
     dense = nbmoe.load(smollm2_path, n_ctx=64, threads=2)
     moe = nbmoe.load(smollm2_moe, n_ctx=64, threads=2)
     assert moe.cfg.n_expert == 8 and moe.cfg.n_expert_used == 2
-    a = list(dense.generate_ids(prompt, 16, stop_ids=()))
-    b = list(moe.generate_ids(prompt, 16, stop_ids=()))
-    assert a == b == case["tokens"][len(prompt): len(prompt) + 16]
+    a = dense.eval(case["tokens"])
+    b = moe.eval(case["tokens"])
+    # identical up to float rounding (w1*y + w2*y with w1 + w2 = 1 is not bit-exact)
+    assert np.abs(a - b).max() < 1e-3 * np.abs(a).max()
+    # the first 12 greedy tokens have no near-ties (token 14 does: a 0.19 logit gap)
+    dense.reset(), moe.reset()
+    n = 12
+    want = case["tokens"][len(prompt): len(prompt) + n]
+    assert list(dense.generate_ids(prompt, n, stop_ids=())) == want
+    assert list(moe.generate_ids(prompt, n, stop_ids=())) == want
