@@ -17,12 +17,17 @@ class ArchFlags:
     ffn_act: str = "silu"       # gate activation of the GLU feed-forward: silu | gelu
     post_norms: bool = False    # extra RMS norms after attention and after the FFN (gemma3)
     embed_scale: bool = False   # multiply embeddings by sqrt(n_embd) (gemma)
+    swa_pattern: int = 0        # every swa_pattern-th layer is global, the others use the
+                                # sliding window (gemma3: 5 local, 1 global)
+    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (0 = same as global)
 
 
 ARCHITECTURES = {
     "llama": ArchFlags(rope_neox=False, qk_norm=False, moe_norm_topk=True),
     "qwen3": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=True),
     "qwen3moe": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=True),
+    "gemma3": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=False, ffn_act="gelu",
+                        post_norms=True, embed_scale=True, swa_pattern=6, rope_base_swa=10000.0),
 }
 
 
@@ -55,6 +60,21 @@ class ModelConfig:
     @property
     def attn_scale(self):
         return 1.0 / math.sqrt(self.head_dim)
+
+    def is_swa(self, il):
+        """Does layer il attend through a sliding window?"""
+        p = self.flags.swa_pattern
+        return bool(p and self.sliding_window and il % p < p - 1)
+
+    def layer_window(self, il):
+        """Sliding-window size of layer il's attention (0 = sees the whole context)."""
+        return self.sliding_window if self.is_swa(il) else 0
+
+    def layer_rope(self, il):
+        """(base, position scale) of layer il's RoPE: local layers have their own base."""
+        if self.is_swa(il) and self.flags.rope_base_swa:
+            return self.flags.rope_base_swa, 1.0
+        return self.rope_base, self.rope_scale
 
 
 def _get(meta, key, default=None, required=True):

@@ -29,11 +29,12 @@ def build_graph(cfg, n_tokens, n_logits, output_weight):
         if f.qk_norm:  # each head normalised on its own
             g.add_node("RMS_NORM", "q", (T, H, Dh), ["q"], p + "attn_q_norm.weight", eps=eps)
             g.add_node("RMS_NORM", "k", (T, Hkv, Dh), ["k"], p + "attn_k_norm.weight", eps=eps)
-        rope = dict(n_rot=cfg.n_rot, base=cfg.rope_base, scale=cfg.rope_scale, neox=f.rope_neox)
+        base, pos_scale = cfg.layer_rope(il)
+        rope = dict(n_rot=cfg.n_rot, base=base, scale=pos_scale, neox=f.rope_neox)
         g.add_node("ROPE", "q", (T, H, Dh), ["q", "pos"], **rope)
         g.add_node("ROPE", "k", (T, Hkv, Dh), ["k", "pos"], **rope)
         g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v"], layer=il,
-                   scale=cfg.attn_scale, window=layer_window(cfg, il))
+                   scale=cfg.attn_scale, window=cfg.layer_window(il))
         g.add_node("MUL_MAT", "o", (T, D), ["attn"], p + "attn_output.weight")           # [T, D]
         if f.post_norms:
             g.add_node("RMS_NORM", "o", (T, D), ["o"], p + "post_attention_norm.weight", eps=eps)
@@ -77,11 +78,6 @@ def moe_ffn(g, cfg, p, T):
     g.add_node("MUL_MAT_ID", "exp_down", (T, A, D), ["exp_gate", "expert_ids"],           # [T, A, D]
                p + "ffn_down_exps.weight")
     g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])          # [T, D]
-
-
-def layer_window(cfg, il):
-    """Sliding-window size of layer il's attention (0 = global)."""
-    return 0
 
 
 def expected_tensors(cfg, names):

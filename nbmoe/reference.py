@@ -102,10 +102,11 @@ def forward(cfg, tensors, tokens):
         v = (h @ W(p + "attn_v.weight").T).reshape(T, Hkv, Dh)
         if f.qk_norm:
             q, k = rms_norm(q, W(p + "attn_q_norm.weight"), eps), rms_norm(k, W(p + "attn_k_norm.weight"), eps)
-        q = rope(q, pos, cfg.n_rot, cfg.rope_base, cfg.rope_scale, f.rope_neox)
-        k = rope(k, pos, cfg.n_rot, cfg.rope_base, cfg.rope_scale, f.rope_neox)
+        base, pos_scale = cfg.layer_rope(il)          # sliding-window layers have their own
+        q = rope(q, pos, cfg.n_rot, base, pos_scale, f.rope_neox)
+        k = rope(k, pos, cfg.n_rot, base, pos_scale, f.rope_neox)
         k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
-        a = attention(q, k, v, cfg.attn_scale, 0).reshape(T, H * Dh)
+        a = attention(q, k, v, cfg.attn_scale, cfg.layer_window(il)).reshape(T, H * Dh)
         o = a @ W(p + "attn_output.weight").T
         if f.post_norms:
             o = rms_norm(o, W(p + "post_attention_norm.weight"), eps)

@@ -14,7 +14,7 @@ ARCHS = {
     "llama": dict(arch="llama"),
     "llama-moe": dict(arch="llama", n_expert=4, n_expert_used=2),
     "qwen3": dict(arch="qwen3"),
-    "qwen3moe": dict(arch="qwen3moe", n_expert=6, n_expert_used=2, n_ff_exp=48),
+    "qwen3moe": dict(arch="qwen3moe", n_expert=6, n_expert_used=2, n_ff_exp=64),
 }
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 PROMPT = [1, 17, 200, 33, 5, 250, 99, 12, 7]
