@@ -1,0 +1,334 @@
+"""Matrix products with GGUF-quantized weights on CPU: mul_mat, mul_mat_id, get_rows.
+
+Letters: T tokens, M output features (weight rows), K input features (values per row),
+E experts, A chosen experts per token, X input rows per token for mul_mat_id (1 or A),
+B = K / 32 blocks per row.
+
+Weights: C-contiguous uint8 [M, row_bytes] (or [E, M, row_bytes]), zero-copy views of the
+read-only GGUF mmap, in any type of quants.TYPES (block layouts and per-type decoders in
+quants.py and quants_int8.py). Activations and outputs float32, C-contiguous; ids int32.
+
+Two paths, chosen per call by the number of tokens T sharing a weight matrix:
+  matrix-vector (T < BLAS_MIN_T: generation)  a run of ITEM_ROWS rows is decoded block by
+      block in registers and dotted with each token's x while in L1: weight bytes are read
+      from memory once. Float dots (quants.dot_rows), or with INT8_DOT, for the block types,
+      integer dots against x quantized to 8 bits (quants_int8). Parallel over runs of rows.
+  dequantize + BLAS (prompts)  a tile of rows is decoded to float32 (prange) and multiplied
+      by numpy's matmul (OpenBLAS): the decode is paid once per tile, not once per token.
+`mul_mat_plain` (decode a row to float32, dot it) is the plain reference both are tested
+against. Kernels take qtype as an int and branch inside, so each compiles once for all types.
+
+Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool.
+"""
+import os
+
+import numpy as np
+from numba import njit, prange
+
+from .quants import TYPES, dequant_rows, dot_rows
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, quantize_x
+
+# Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
+# (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
+BLAS_MIN_T = 10
+# Float32 bytes of weights decoded per BLAS tile (decode output stays in L2/L3 for the GEMM).
+TILE_BYTES = 4 << 20
+# Weight rows per parallel work item: a few KB, so the rows stay in L1 while each token's x
+# passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
+ITEM_ROWS = 32
+# Integer dots against 8-bit x for the block types (NBMOE_INT8_DOT=1): 1.3-3x faster with
+# AVX-512 VNNI, ~0.5% error from x's rounding (as llama.cpp), enough to flip greedy tokens
+# of near-tie tiny random models against a float64 reference. Off by default: exact float
+# dots. Without VNNI the integer dots are no faster, so they stay off there.
+INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "0") == "1"
+
+
+def is_supported(qtype):
+    return int(qtype) in TYPES
+
+
+def row_size(qtype, K):
+    """Bytes of one row of K values of type qtype."""
+    block, size = TYPES[int(qtype)]
+    return K // block * size
+
+
+def row_values(qtype, row_bytes):
+    """Values K in one row of row_bytes bytes of type qtype."""
+    block, size = TYPES[int(qtype)]
+    return row_bytes // size * block
+
+
+def _int8(qtype):
+    return INT8_DOT and qtype in INT8_TYPES
+
+
+# ---------------------------------------------------------------- per-token x extras
+# x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
+# or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8).
+# The unused set is empty.
+
+@njit(cache=True, error_model="numpy")
+def _prepare_x(x, int8):
+    N, K = x.shape
+    B = K // 32
+    xsum = np.zeros((N, 0 if int8 else B), np.float32)
+    xq = np.empty((N, K if int8 else 0), np.int8)
+    xd = np.empty((N, B if int8 else 0), np.float32)
+    xs = np.empty((N, B if int8 else 0), np.float32)
+    for n in range(N):
+        if int8:
+            quantize_x(xq[n], xd[n], xs[n], x[n])
+        else:
+            for b in range(B):
+                for i in range(32):
+                    xsum[n, b] += x[n, b * 32 + i]
+    return xsum, xq, xd, xs
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dot_rows(qtype, out, w, x, n, xsum, xq, xd, xs, int8):
+    """out [R] <- dequant(w [R, row_bytes]) @ x[n], by the path _prepare_x prepared for."""
+    if int8:
+        dot_rows_i8(qtype, out, w, xq[n], xd[n], xs[n])
+    else:
+        dot_rows(qtype, out, w, x[n], xsum[n])
+
+
+# ---------------------------------------------------------------- mul_mat, plain loops
+# out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T. Decode row r to float32, dot it with
+# every token. The reference for the fast paths. Parallel over rows.
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def mul_mat_plain(out, w, x, qtype):
+    T, K = x.shape
+    for r in prange(w.shape[0]):
+        v = np.empty((1, K), np.float32)
+        dequant_rows(qtype, v, w[r:r + 1])
+        for t in range(T):
+            s = np.float32(0)
+            for k in range(K):
+                s += v[0, k] * x[t, k]
+            out[t, r] = s
+
+
+# ---------------------------------------------------------------- mul_mat, matrix-vector
+# out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T for T < BLAS_MIN_T. Work item = a run of
+# ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1. Parallel over runs.
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _mul_mat_vec(out, w, x, qtype, int8):
+    xsum, xq, xd, xs = _prepare_x(x, int8)
+    M = w.shape[0]
+    for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
+        r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
+        for t in range(x.shape[0]):
+            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xq, xd, xs, int8)
+
+
+# ---------------------------------------------------------------- dequantize rows
+# out[R, K] f32 = dequant(w[R, row_bytes]), parallel over runs of ITEM_ROWS rows: the BLAS
+# path's tile decoder and dequantize(). get_rows: out[t] = dequant(w[ids[t]]), over t.
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _dequant_rows(out, w, qtype):
+    M = w.shape[0]
+    for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
+        r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
+        dequant_rows(qtype, out[r0:r1], w[r0:r1])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _get_rows(out, w, ids, qtype):
+    for t in prange(ids.shape[0]):
+        dequant_rows(qtype, out[t:t + 1], w[ids[t]:ids[t] + 1])
+
+
+def _mul_mat_blas(out, w, x, qtype):
+    """out [T, M] = x @ dequant(w)^T, a tile of rows at a time: decode (Numba), matmul (BLAS)."""
+    M, K = w.shape[0], x.shape[1]
+    rows = max(16, TILE_BYTES // (4 * K))
+    if rows >= M:  # one tile: BLAS writes straight into out
+        tile = np.empty((M, K), np.float32)
+        _dequant_rows(tile, w, qtype)
+        np.matmul(x, tile.T, out=out)
+        return
+    tile = np.empty((rows, K), np.float32)
+    for r0 in range(0, M, rows):
+        r1 = min(M, r0 + rows)
+        _dequant_rows(tile[:r1 - r0], w[r0:r1], qtype)
+        out[:, r0:r1] = x @ tile[:r1 - r0].T
+
+
+def mul_mat(out, w, x, qtype):
+    """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T."""
+    if x.shape[0] < BLAS_MIN_T:
+        _mul_mat_vec(out, w, x, qtype, _int8(qtype))
+    else:
+        _mul_mat_blas(out, w, x, qtype)
+
+
+# ---------------------------------------------------------------- mul_mat_id
+# out[t, a] = dequant(w[ids[t, a]]) @ x[t, a if X == A else 0]   w [E, M, row_bytes],
+# x [T, X, K], ids [T, A], out [T, A, M].
+# Grouped by expert: the (t, a) pairs are counting-sorted by expert, so each chosen expert's
+# rows are streamed once per call and dotted with all its tokens while in L1; experts nobody
+# chose are never touched. Work item = (chosen expert, run of ITEM_ROWS rows), parallel.
+# Experts chosen by >= blas_min pairs are left out here: the caller runs them through BLAS.
+
+@njit(cache=True, error_model="numpy")
+def _group_by_expert(ids, E):
+    """order [T*A] of flat pair indices t*A + a sorted by expert; start [E + 1] offsets."""
+    flat = ids.ravel()
+    start = np.zeros(E + 1, np.int64)
+    for p in range(flat.shape[0]):
+        start[flat[p] + 1] += 1
+    for e in range(E):
+        start[e + 1] += start[e]
+    fill = start[:E].copy()
+    order = np.empty(flat.shape[0], np.int64)
+    for p in range(flat.shape[0]):
+        e = flat[p]
+        order[fill[e]] = p
+        fill[e] += 1
+    return order, start
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8):
+    E, M = w.shape[0], w.shape[1]
+    T, X, K = x.shape
+    A = ids.shape[1]
+    order, start = _group_by_expert(ids, E)
+    xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
+    xsum, xq, xd, xs = _prepare_x(xf, int8)
+    n_used = 0
+    used = np.empty(E, np.int64)
+    for e in range(E):
+        if 0 < start[e + 1] - start[e] < blas_min:
+            used[n_used] = e
+            n_used += 1
+    n_runs = (M + ITEM_ROWS - 1) // ITEM_ROWS
+    for item in prange(n_used * n_runs):
+        e = used[item // n_runs]
+        r0 = item % n_runs * ITEM_ROWS
+        r1 = min(M, r0 + ITEM_ROWS)
+        for p in range(start[e], start[e + 1]):
+            t, a = order[p] // A, order[p] % A
+            n = t * X + (a if X == A else 0)
+            _dot_rows(qtype, out[t, a, r0:r1], w[e, r0:r1], xf, n, xsum, xq, xd, xs, int8)
+
+
+def mul_mat_id(out, w, x, ids, qtype):
+    """out [T, A, M] = per-token expert products; see the comment above _mul_mat_id_vec."""
+    if ids.shape[0] < BLAS_MIN_T:  # generation: every chosen expert by matrix-vector
+        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype))
+        return
+    T, X, K = x.shape
+    A = ids.shape[1]
+    order, start = _group_by_expert(ids, w.shape[0])
+    _mul_mat_id_vec(out, w, x, ids, qtype, BLAS_MIN_T, _int8(qtype))  # experts with few tokens
+    for e in np.flatnonzero(np.diff(start) >= BLAS_MIN_T):
+        pairs = order[start[e]:start[e + 1]]
+        t, a = pairs // A, pairs % A
+        xe = x[t, a if X == A else 0]                                  # [n, K]
+        ye = np.empty((pairs.shape[0], w.shape[1]), np.float32)        # [n, M]
+        _mul_mat_blas(ye, w[e], xe, qtype)
+        out[t, a] = ye
+
+
+# ---------------------------------------------------------------- get_rows, dequantize
+
+def get_rows(out, w, ids, qtype):
+    """out [T, K] = dequant(w[ids[t]]) (embedding lookup); ids int32 [T]."""
+    _get_rows(out, w, ids, qtype)
+
+
+def dequantize(w, qtype):
+    """w [..., row_bytes] -> float32 [..., K]."""
+    rows = w.reshape(-1, w.shape[-1])
+    K = row_values(qtype, w.shape[-1])
+    out = np.empty((rows.shape[0], K), np.float32)
+    _dequant_rows(out, rows, int(qtype))
+    return out.reshape(w.shape[:-1] + (K,))
+
+
+# ---------------------------------------------------------------- benchmark
+# python -m nbmoe.cpu.matmul -t 2: T=1 GB/s (integer and float dots) against a streaming
+# read measured in the same run (fraction in parentheses), and T=512 GFLOP/s, per type.
+# Weights are cycled through copies larger than the L3: every T=1 call reads from memory.
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _stream_sum(a, n_chunks):
+    step = a.shape[0] // n_chunks
+    partial = np.zeros(n_chunks, np.float32)
+    for c in prange(n_chunks):
+        part = a[c * step:(c + 1) * step]
+        s = np.float32(0)
+        for i in range(part.shape[0]):
+            s += part[i]
+        partial[c] = s
+    return partial.sum()
+
+
+def _best_time(fn, n):
+    import time
+    best = float("inf")
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _weights(rng, qtype, M, K):
+    from gguf.quants import quantize
+    w = np.ascontiguousarray(quantize(rng.standard_normal((M, K), dtype=np.float32), qtype).view(np.uint8))
+    w.flags.writeable = False
+    return w
+
+
+def main(argv=None):
+    import argparse
+
+    import numba
+    from gguf import GGMLQuantizationType
+    p = argparse.ArgumentParser(description="mul_mat benchmark. Example: -t 2 --types Q4_1,Q8_0")
+    p.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS, help="Numba threads")
+    p.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1", help="comma-separated GGUF types")
+    p.add_argument("--shapes", default="4096x4096,1536x576,49152x576", help="MxK list for T=1")
+    p.add_argument("--gemm", default="1536x576", help="MxK list for T=512")
+    a = p.parse_args(argv)
+    numba.set_num_threads(a.threads)
+    big = np.ones(1 << 28, np.float32)
+    bw = big.nbytes / _best_time(lambda i: _stream_sum(big, 64), 5) / 1e9
+    del big
+    print(f"threads {a.threads}, streaming read {bw:.1f} GB/s")
+    rng = np.random.default_rng(0)
+    for name in a.types.split(","):
+        qt = int(GGMLQuantizationType[name])
+        for shape in a.shapes.split(","):
+            M, K = (int(v) for v in shape.split("x"))
+            ws = [_weights(rng, qt, M, K)]
+            ws += [ws[0].copy() for _ in range(int(100e6 // ws[0].nbytes))]
+            for w in ws:
+                w.flags.writeable = False  # as the mmap'd GGUF views: the same compiled kernels
+            x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
+            row = f"  {name:5s} T=1   {M:6d}x{K:<5d}"
+            for int8 in ((True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)):
+                _mul_mat_vec(out, ws[0], x, qt, int8)
+                t = _best_time(lambda i: _mul_mat_vec(out, ws[i % len(ws)], x, qt, int8), 30)
+                gbs = ws[0].nbytes / t / 1e9
+                row += f"  {'int8' if int8 else 'float'} {t * 1e3:7.3f} ms {gbs:5.1f} GB/s ({gbs / bw:.2f})"
+            print(row)
+        for shape in a.gemm.split(","):
+            M, K = (int(v) for v in shape.split("x"))
+            w = _weights(rng, qt, M, K)
+            x, out = rng.standard_normal((512, K), dtype=np.float32), np.empty((512, M), np.float32)
+            mul_mat(out, w, x, qt)
+            t = _best_time(lambda i: mul_mat(out, w, x, qt), 5)
+            print(f"  {name:5s} T=512 {M:6d}x{K:<5d} {t * 1e3:8.3f} ms {2 * 512 * M * K / t / 1e9:6.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""CPU quantized matrix products vs gguf-py's dequantize + a float64 NumPy matmul.
+
+Letters: T tokens, M weight rows, K values per row, E experts, A chosen experts, X input rows
+per token (1 or A). Weights are quantized by gguf-py and made read-only, as the mmap'd GGUF
+views are (a read-only array is a different Numba type: tests compile what production runs).
+Odd M everywhere; T = 17 >= matmul.BLAS_MIN_T takes the dequantize + BLAS path, T = 1, 3 the
+matrix-vector path, run both ways: integer dots (x rounded to 8-bit blocks: compared with the
+float64 product of the rounded x, 1e-5, and loosely with the exact one) and float dots.
+"""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from nbmoe.cpu import matmul
+from nbmoe.cpu.quants_int8 import INT8_TYPES, quantize_x
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+RTOL = 1e-5      # float32 sums of exactly decoded values
+RTOL_X8 = 1.5e-2  # the int8 path vs the exact product: x's 8-bit rounding
+
+
+def rnd(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def quantize(wf, name):
+    """float32 [..., K] -> read-only uint8 [..., row_bytes] in GGUF type `name`."""
+    w = np.ascontiguousarray(gguf_quantize(wf, Q[name]).view(np.uint8))
+    w.flags.writeable = False
+    return w
+
+
+def ref_dequant(w, name, K):
+    return gguf_dequantize(w, Q[name]).reshape(w.shape[:-1] + (K,)).astype(np.float64)
+
+
+def max_rel(got, ref):
+    """Largest error relative to the largest reference magnitude."""
+    return float(np.max(np.abs(got.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def x_rounded(x):
+    """x [..., K] as the int8 path sees it: each 32-block rounded to int8 codes times a scale."""
+    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+    out = np.empty(x2.shape)
+    for n in range(x2.shape[0]):
+        xq = np.empty(x2.shape[1], np.int8)
+        xd, xs = (np.empty(x2.shape[1] // 32, np.float32) for _ in range(2))
+        quantize_x(xq, xd, xs, x2[n])
+        out[n] = (xq.reshape(-1, 32) * xd[:, None].astype(np.float64)).ravel()
+    return out.reshape(x.shape)
+
+
+def test_quantize_x():
+    x = rnd(3 * 32, seed=11)
+    x[32:64] = 0  # an all-zero block: scale 0, codes 0
+    xq = np.empty(96, np.int8)
+    xd, xs = np.empty(3, np.float32), np.empty(3, np.float32)
+    quantize_x(xq, xd, xs, x)
+    d = np.abs(x.reshape(3, 32)).max(1) / np.float32(127)
+    assert np.array_equal(xd, d)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    assert np.array_equal(xq, np.rint(x.reshape(3, 32) * inv[:, None]).ravel().astype(np.int8))
+    assert np.allclose(xs, d * xq.reshape(3, 32).sum(1), rtol=1e-6)
+
+
+def uses_int8(name, n_tokens):
+    """Whether a product with n_tokens sharing the weights takes the integer-dot path."""
+    return matmul.INT8_DOT and int(Q[name]) in INT8_TYPES and n_tokens < matmul.BLAS_MIN_T
+
+
+def k_for(name):
+    return 40 if name in ("F32", "F16", "BF16") else 96  # float rows need no 32-blocks: a tail
+
+
+# ---------------------------------------------------------------- sizes, dequantize, get_rows
+
+@pytest.mark.parametrize("name", TYPES)
+def test_sizes_and_dequantize(name):
+    M, K = 13, k_for(name)
+    w = quantize(rnd(M, K), name)
+    assert matmul.is_supported(int(Q[name]))
+    assert matmul.row_size(int(Q[name]), K) == w.shape[1]
+    assert np.array_equal(matmul.dequantize(w, int(Q[name])), ref_dequant(w, name, K))
+
+
+def test_unsupported():
+    assert not matmul.is_supported(int(Q.Q4_K))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_get_rows(name):
+    M, K = 11, k_for(name)
+    w = quantize(rnd(M, K, seed=1), name)
+    ids = np.array([3, 0, 10, 3, 7], np.int32)
+    out = np.full((ids.shape[0], K), np.nan, np.float32)
+    matmul.get_rows(out, w, ids, int(Q[name]))
+    assert np.array_equal(out, ref_dequant(w, name, K)[ids])
+
+
+# ---------------------------------------------------------------- mul_mat
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("int8", [True, False])
+def test_mul_mat(name, T, int8, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    M, K = 37, k_for(name)
+    w = quantize(rnd(M, K, seed=2), name)
+    x = rnd(T, K, seed=3)
+    wd = ref_dequant(w, name, K)
+    ref = x.astype(np.float64) @ wd.T
+    out = np.full((T, M), np.nan, np.float32)
+    matmul.mul_mat(out, w, x, int(Q[name]))
+    if uses_int8(name, T):
+        assert max_rel(out, x_rounded(x) @ wd.T) < RTOL
+        assert max_rel(out, ref) < RTOL_X8
+    else:
+        assert max_rel(out, ref) < RTOL
+    plain = np.full((T, M), np.nan, np.float32)
+    matmul.mul_mat_plain(plain, w, x, int(Q[name]))
+    assert max_rel(plain, ref) < RTOL
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_mul_mat_blas_tiles(name, monkeypatch):
+    """Several row tiles (the last one short) instead of one."""
+    M, K, T = 45, 64, matmul.BLAS_MIN_T
+    monkeypatch.setattr(matmul, "TILE_BYTES", 16 * K * 4)
+    w = quantize(rnd(M, K, seed=4), name)
+    x = rnd(T, K, seed=5)
+    out = np.full((T, M), np.nan, np.float32)
+    matmul.mul_mat(out, w, x, int(Q[name]))
+    assert max_rel(out, x.astype(np.float64) @ ref_dequant(w, name, K).T) < RTOL
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_mul_mat_nan_propagates(int8, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    M, K = 5, 64
+    w = quantize(rnd(M, K), "Q4_0")
+    x = rnd(1, K)
+    x[0, 40] = np.nan
+    out = np.zeros((1, M), np.float32)
+    matmul.mul_mat(out, w, x, int(Q.Q4_0))
+    assert np.all(np.isnan(out))
+
+
+# ---------------------------------------------------------------- mul_mat_id
+
+def ref_mul_mat_id(w, name, x, ids, rounded=False):
+    """Exact products; rounded: with x rounded to 8 bits for experts on the int8 path."""
+    wd = ref_dequant(w, name, x.shape[-1])
+    xr = x_rounded(x) if rounded and int(Q[name]) in INT8_TYPES else x.astype(np.float64)
+    T, A = ids.shape
+    count = np.bincount(ids.ravel(), minlength=w.shape[0])
+    out = np.zeros((T, A, wd.shape[1]))
+    for t in range(T):
+        for a in range(A):
+            e, xa = ids[t, a], a if x.shape[1] == A else 0
+            n = count[e] if T >= matmul.BLAS_MIN_T else 1  # tokens sharing expert e's weights
+            out[t, a] = wd[e] @ (xr[t, xa] if uses_int8(name, n) else np.float64(x[t, xa]))
+    return out
+
+
+def expert_ids(T, A, E, seed):
+    """Distinct experts per token, expert 0 chosen by every token, expert E-1 by none."""
+    rng = np.random.default_rng(seed)
+    ids = np.empty((T, A), np.int32)
+    for t in range(T):
+        ids[t] = np.concatenate([[0], 1 + rng.permutation(E - 2)[:A - 1]])
+        rng.shuffle(ids[t])
+    return ids
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("shared_x", [True, False])
+def test_mul_mat_id(name, T, shared_x):
+    E, A, M, K = 6, 3, 19, k_for(name)
+    w = quantize(rnd(E, M, K, seed=6), name)
+    x = rnd(T, 1 if shared_x else A, K, seed=7)
+    ids = expert_ids(T, A, E, seed=T)
+    out = np.full((T, A, M), np.nan, np.float32)
+    matmul.mul_mat_id(out, w, x, ids, int(Q[name]))
+    assert max_rel(out, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
+    assert max_rel(out, ref_mul_mat_id(w, name, x, ids)) < RTOL_X8
+
+
+@pytest.mark.parametrize("T", [3, 17])
+def test_mul_mat_id_float_dots(T, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    E, A, M, K = 6, 3, 19, 64
+    w = quantize(rnd(E, M, K, seed=6), "Q5_1")
+    x = rnd(T, A, K, seed=7)
+    ids = expert_ids(T, A, E, seed=T)
+    out = np.full((T, A, M), np.nan, np.float32)
+    matmul.mul_mat_id(out, w, x, ids, int(Q.Q5_1))
+    assert max_rel(out, ref_mul_mat_id(w, "Q5_1", x, ids)) < RTOL
+
+
+def test_mul_mat_id_repeated_expert_in_token():
+    """The same expert twice in one token (not from top-k routing, but defined)."""
+    E, A, M, K = 4, 2, 7, 64
+    w = quantize(rnd(E, M, K, seed=8), "Q4_1")
+    x = rnd(2, A, K, seed=9)
+    ids = np.array([[2, 2], [1, 2]], np.int32)
+    out = np.full((2, A, M), np.nan, np.float32)
+    matmul.mul_mat_id(out, w, x, ids, int(Q.Q4_1))
+    assert max_rel(out, ref_mul_mat_id(w, "Q4_1", x, ids, rounded=True)) < RTOL
