@@ -36,11 +36,11 @@ TILE_BYTES = 4 << 20
 # Weight rows per parallel work item: a few KB, so the rows stay in L1 while each token's x
 # passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
 ITEM_ROWS = 32
-# Integer dots against 8-bit x for the block types (NBMOE_INT8_DOT=1): 1.3-3x faster with
-# AVX-512 VNNI, ~0.5% error from x's rounding (as llama.cpp), enough to flip greedy tokens
-# of near-tie tiny random models against a float64 reference. Off by default: exact float
-# dots. Without VNNI the integer dots are no faster, so they stay off there.
-INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "0") == "1"
+# Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
+# error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
+# exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
+# are no faster, so they stay off there. Checked once per call in Python, so tests can flip it.
+INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "1") == "1"
 
 
 def is_supported(qtype):
