@@ -23,7 +23,8 @@ from gguf import LlamaFileType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import add_model_args, friendly_errors, resolve_model, err_console
+from .cli_common import (add_model_args, add_placement_args, err_console, friendly_errors,
+                         placement_kwargs, resolve_model)
 
 
 def int_list(s):
@@ -33,7 +34,7 @@ def int_list(s):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m nbmoe.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, lists=True)
     p.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths (comma list)")
     p.add_argument("-n", "--n-gen", type=int_list, default=[128], help="tokens to generate (comma list)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions of each test")
@@ -41,8 +42,14 @@ def parse_args(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch (tokens per eval call)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="output format")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
+    p.add_argument("--explain", action="store_true",
+                   help="print where every tensor lives and the schedule (splits, copies, causes)")
+    p.add_argument("--timings", action="store_true",
+                   help="print the time per op type, copies and overhead of the tg test")
+    add_placement_args(p, lists=True)
     args = p.parse_args(argv)
-    args.ubatch_list = [args.ubatch_size]
+    args.ngl_list = int_list(args.n_gpu_layers)
+    args.ub_list = int_list(args.ubatch_size)
     return args
 
 
@@ -55,7 +62,7 @@ def model_facts(llm):
     for name, t in tensors.items():
         if name.endswith("_exps.weight"):
             per_token += t.n_bytes * cfg.n_expert_used / cfg.n_expert
-        elif name == "token_embd.weight" and llm.output_weight != name:
+        elif name == "token_embd.weight" and "output.weight" in tensors:
             per_token += t.n_bytes / cfg.n_vocab        # one row looked up
         else:
             per_token += t.n_bytes
@@ -117,31 +124,67 @@ def main(argv=None):
         path = resolve_model(args.model)
         threads_list = args.threads or [default_threads()]
         need = max([1] + args.n_prompt + args.n_gen)
-        llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=args.ubatch_size)
-        facts = model_facts(llm)
         rng = np.random.default_rng(0)
-        rows = []
-        for threads in threads_list:
-            llm.threads = threads
-            numba.set_num_threads(threads)
-            bw = None if args.no_bandwidth else read_bandwidth()
-            tests = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
-            for kind, n in tests:
-                with err_console.status(f"{kind}{n}, {threads} threads"):
-                    times = run_test(llm, kind, n, args, rng)
-                rows.append(make_row(llm, path, facts, args, threads, kind, n, times, bw))
-                if args.output == "md":
-                    err_console.print(f"  {kind}{n} t={threads}: {rows[-1]['avg_ts']:.2f} t/s")
+        rows, bw = [], {}
+        for ngl in args.ngl_list:
+            for ub in args.ub_list:
+                llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub,
+                           **placement_kwargs(args, ngl))
+                facts = model_facts(llm)
+                if args.explain:
+                    explain(llm, ub)
+                for threads in threads_list:
+                    llm.threads = threads
+                    numba.set_num_threads(threads)
+                    if not args.no_bandwidth and threads not in bw:
+                        bw[threads] = read_bandwidth()
+                    for kind, n in tests(args):
+                        with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
+                            times = run_test(llm, kind, n, args, rng)
+                        rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
+                                             bw.get(threads), ngl, ub))
+                        if args.output == "md":
+                            err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} t={threads}: "
+                                              f"{rows[-1]['avg_ts']:.2f} t/s")
+                        if args.timings and kind == "tg":
+                            show_timings(llm, n, rng)
         print_rows(rows, args.output, facts)
 
 
-def make_row(llm, path, facts, args, threads, kind, n, times, bw):
+def tests(args):
+    return [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+
+
+def explain(llm, ubatch):
+    from .explain import legend, placement_table, schedule_table
+    console = Console(stderr=True, width=200)
+    console.print(placement_table(llm.placement))
+    console.print(schedule_table(llm, sorted({1, ubatch})))
+    console.print(legend())
+
+
+def show_timings(llm, n_gen, rng):
+    """Generate n_gen tokens with every step timed; print the breakdown."""
+    from .explain import timings_table
+    from .scheduler import new_timing_table
+    llm.reset()
+    acc, tok = new_timing_table(), int(rng.integers(0, llm.cfg.n_vocab))
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        llm._decode([tok], all_logits=False, timings=acc)
+    Console(stderr=True, width=200).print(timings_table(acc, time.perf_counter() - t0, n_gen))
+
+
+def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
     ts = np.array([n / t for t in times])
+    gpus = [b for b in llm.backends if b != "CPU"]
     return dict(
         build_commit="nbmoe", build_number=0, cpu_info=platform.processor() or platform.machine(),
-        gpu_info="", backends="CPU", model_filename=os.path.basename(path), model_type=facts["label"],
+        gpu_info=gpu_info() if gpus else "", backends="CUDA" if gpus else "CPU",
+        model_filename=os.path.basename(path), model_type=facts["label"],
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
-        n_ubatch=args.ubatch_size, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=0,
+        n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
+        tensor_buft_overrides=";".join(args.override_tensor) or "none",
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
@@ -150,6 +193,14 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw):
         bytes_per_token=facts["bytes_per_token"], read_bw_gbs=bw,
         weight_gbs=float(ts.mean() * facts["bytes_per_token"] / 1e9) if kind == "tg" else None,
     )
+
+
+def gpu_info():
+    from numba import cuda
+    try:
+        return ", ".join(str(g.name.decode() if isinstance(g.name, bytes) else g.name) for g in cuda.gpus)
+    except Exception:
+        return "CUDA"
 
 
 def print_rows(rows, fmt, facts):
@@ -165,8 +216,11 @@ def print_rows(rows, fmt, facts):
         print(buf.getvalue(), end="")
         return
     table = Table(title="nbmoe bench", title_justify="left")
-    for col in ("model", "size", "params", "backend", "threads", "n_ubatch", "test", "t/s", "GB/s (of read bw)"):
-        table.add_column(col, justify="left" if col in ("model", "backend", "test") else "right")
+    show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
+    cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
+        "n_ubatch", "test", "t/s", "GB/s (of read bw)"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
     for r in rows:
         test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
         gbs = ""
@@ -174,8 +228,9 @@ def print_rows(rows, fmt, facts):
             gbs = f"{r['weight_gbs']:.1f}"
             if r["read_bw_gbs"]:
                 gbs += f" ({r['weight_gbs'] / r['read_bw_gbs']:.0%} of {r['read_bw_gbs']:.1f})"
+        gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
-                      r["backends"], str(r["n_threads"]), str(r["n_ubatch"]), test,
+                      r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs)
     console = Console()
     if not console.is_terminal:   # piped: do not wrap the table at 80 columns

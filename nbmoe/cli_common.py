@@ -9,10 +9,31 @@ from .errors import NbmoeError
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def add_model_args(p):
+def add_model_args(p, lists=False):
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file (default: SmolLM2-135M upcycled to 8 experts, built on first use)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size for prompts")
+    p.add_argument("-ub", "--ubatch-size", type=str if lists else int, default="512" if lists else 512,
+                   help="micro-batch size for prompts" + (" (comma list)" if lists else ""))
+
+
+def add_placement_args(p, lists=False):
+    """-ngl -ot -op --cpu-moe --n-cpu-moe, as in llama.cpp (bench takes comma lists for -ngl)."""
+    from .graph import OPS
+    p.add_argument("-ngl", "--n-gpu-layers", default="0" if lists else 0, type=str if lists else int,
+                   help="layers on the GPU: the last N repeating layers and the output (99 = all)")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[],
+                   help="REGEX=BUFTYPE (repeatable or comma-separated; first match wins), e.g. exps=CPU")
+    p.add_argument("-op", "--offload-policy", default=None,
+                   help="OP,0|1,... turn GPU offload of RAM weights on/off per op (-1 = all); "
+                        f"ops: {', '.join(f'{i}={o}' for i, o in enumerate(OPS))}")
+    p.add_argument("--cpu-moe", action="store_true", help="keep all expert tensors in RAM")
+    p.add_argument("--n-cpu-moe", type=int, default=0, help="keep the experts of the first N layers in RAM")
+
+
+def placement_kwargs(args, n_gpu_layers=None):
+    return dict(n_gpu_layers=args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
+                override_tensors=args.override_tensor, offload_policy=args.offload_policy,
+                cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe)
 
 
 def resolve_model(path):

@@ -11,13 +11,14 @@ import numba
 import numpy as np
 
 from .arch import config_from_meta
-from .backend_cpu import CPUBackend
+from .backend import CPUBackend
 from .errors import NbmoeError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache
 from .model import build_graph, check_tensors
+from .placement import moe_overrides, parse_overrides, place_tensors
 from .sampling import Sampler, SamplingParams
-from .scheduler import make_plan
+from .scheduler import OffloadPolicy, make_plan
 from .tokenizer import Tokenizer
 
 
@@ -29,24 +30,55 @@ class _State:
 
 
 class LLM:
-    def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512):
+    def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
+                 override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
-        meta, tensors = self.file.meta, self.file.tensors
-        emb = tensors.get("token_embd.weight")
+        meta = self.file.meta
+        emb = self.file.tensors.get("token_embd.weight")
         self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None)
-        self.backends = {"CPU": CPUBackend()}
-        check_tensors(self.cfg, tensors, self.backends["CPU"].supports_type)
+        # A tied output reads the embedding matrix; under its own name it can be placed
+        # like any output layer (llama.cpp duplicates it the same way).
+        self.weights = dict(self.file.tensors)
+        self.weights.setdefault("output.weight", self.weights.get("token_embd.weight"))
+        self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
+        self.backends = {"CPU": CPUBackend(self.weights)}
+        self.backends.update(self._gpu_backends())
+        check_tensors(self.cfg, self.file.tensors, self.backends["CPU"].supports_type)
+        for name, (buftype, _) in self.placement.items():
+            if not self.backends[buftype].supports_type(self.weights[name].ggml_type):
+                raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "
+                                 f"which the {buftype} backend does not support")
+        self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
-        self.output_weight = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         self.threads = threads or default_threads()
         self.n_ubatch = max(1, int(n_ubatch))
-        self.kv = KVCache(self.cfg, n_ctx)
+        kv_place = [self.placement[f"blk.{il}.attn_q.weight"][0] for il in range(self.cfg.n_layer)]
+        self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
         self.n_ctx = n_ctx
         self.state = _State(self.kv)
         self.tokens = []            # token ids whose keys/values are in the cache
         self._plans = {}
         self.last_stats = {}
+
+    def _place(self, n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe):
+        """{tensor: (buffer type, cause)}; GPU buffer types only where a GPU backend exists."""
+        devices = []
+        if n_gpu_layers or override_tensors:
+            from .backend_cuda import device_names
+            devices = device_names()
+        buftypes = ["CPU"] + devices
+        rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
+        return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
+
+    def _gpu_backends(self):
+        """One CUDA backend per GPU that holds weights (none: the CPU-only engine)."""
+        used = sorted({b for b, _ in self.placement.values() if b != "CPU"})
+        if not used:
+            return {}
+        from .backend_cuda import CUDABackend
+        return {n: CUDABackend(n, self.weights, [t for t, (b, _) in self.placement.items() if b == n])
+                for n in used}
 
     # ---- tokens -------------------------------------------------------------------------
     def tokenize(self, text, add_bos=None, special=True):
@@ -63,8 +95,9 @@ class LLM:
     def plan(self, n_tokens, n_logits):
         key = (n_tokens, n_logits)
         if key not in self._plans:
-            g = build_graph(self.cfg, n_tokens, n_logits, self.output_weight)
-            self._plans[key] = make_plan(g, self.backends, self.file.tensors, self.state)
+            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
+            self._plans[key] = make_plan(g, self.backends, self.state,
+                                         lambda name: self.placement[name][0], self.policy, self.cfg)
         return self._plans[key]
 
     def _decode(self, ids, all_logits, timings=None):
@@ -152,5 +185,7 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path, n_ctx=2048, threads=None, n_ubatch=512):
-    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch)
+def load(path, n_ctx=2048, threads=None, n_ubatch=512, **placement):
+    """Open a GGUF model. Placement options (hybrid CPU + GPU): n_gpu_layers, override_tensors
+    (["REGEX=BUFTYPE", ...]), offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe."""
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, **placement)

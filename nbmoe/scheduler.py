@@ -1,15 +1,63 @@
-"""The scheduler: gives every graph node a backend, cuts the graph into splits, binds calls.
+"""The scheduler: gives every graph node a backend, cuts the graph into splits, binds calls
+and inserts the activation copies between backends.
 
-Assignment rule (recorded per node in `node.cause`, shown by --explain):
+Assignment (recorded per node in `node.cause`, shown by --explain), like llama.cpp's:
   wgt  the node multiplies by a weight: it runs where that weight lives
-  inp  no weight: it follows the backend of its first input produced by an earlier node
-  def  nothing to follow (graph inputs only): the default backend
-A split is a maximal run of consecutive nodes on one backend. With only the CPU backend
-the whole graph is one split; the hybrid CPU+GPU issue adds copies between splits here.
+  kv   attention runs where its layer's KV cache lives (the layer's device)
+  off  the weight lives in RAM but the batch is large enough that copying the weight to a
+       GPU and computing there wins (OffloadPolicy)
+  inp  no weight: it follows the backend of its first input written by an earlier node
+  def  nothing to follow (graph inputs only): the CPU
+A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
+the scheduler tracks on which backends each buffer's current value is; a node that reads a
+buffer not valid on its backend gets a copy step right before it.
 """
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .graph import OPS
+
+# Batch rows from which an op whose weight is in RAM runs on a GPU (llama.cpp's choice):
+# below it, copying the weight over PCIe costs more than the CPU computing the product.
+OFFLOAD_MIN_BATCH = 32
+
+
+@dataclass
+class OffloadPolicy:
+    """Which op types may run on a GPU with a weight that lives in RAM (-op)."""
+    enabled: dict = field(default_factory=lambda: {op: True for op in ("MUL_MAT", "MUL_MAT_ID")})
+
+    @classmethod
+    def parse(cls, spec):
+        """`-op NAME_OR_ID,0|1,...` (`-1` = every op) -> policy."""
+        from .errors import NbmoeError
+        pol = cls()
+        items = [s.strip() for s in str(spec).split(",") if s.strip()] if spec else []
+        if len(items) % 2:
+            raise NbmoeError(f"bad -op {spec!r}: expected pairs OP,0|1 (OP a name, an id or -1)")
+        for name, flag in zip(items[::2], items[1::2]):
+            if flag not in ("0", "1"):
+                raise NbmoeError(f"bad -op flag {flag!r} for {name}: use 0 or 1")
+            if name == "-1":
+                targets = list(pol.enabled)
+            elif name.isdigit() and int(name) < len(OPS):
+                targets = [OPS[int(name)]]
+            elif name.upper() in OPS:
+                targets = [name.upper()]
+            else:
+                raise NbmoeError(f"unknown op {name!r} in -op; ops: {', '.join(OPS)}")
+            for op in targets:
+                pol.enabled[op] = flag == "1"
+        return pol
+
+    def min_batch(self, op, cfg):
+        if op == "MUL_MAT_ID":   # each expert sees about T * A / E rows of the batch
+            return OFFLOAD_MIN_BATCH * cfg.n_expert // max(1, cfg.n_expert_used)
+        return OFFLOAD_MIN_BATCH
+
+    def offload(self, node, n_tokens, cfg):
+        return self.enabled.get(node.op, False) and n_tokens >= self.min_batch(node.op, cfg)
 
 
 @dataclass
@@ -18,33 +66,54 @@ class Split:
     nodes: list
 
 
+@dataclass
+class Copy:
+    buffer: str
+    src: str
+    dst: str
+    n_bytes: int
+
+
 class Plan:
     """A bound graph: `run()` executes it; `run_timed(acc)` adds seconds per op type to acc."""
 
-    def __init__(self, graph, splits, steps, buffers):
-        self.graph, self.splits, self.steps, self.buffers = graph, splits, steps, buffers
+    def __init__(self, graph, splits, steps, labels, buffers, copies, backends):
+        self.graph, self.splits, self.steps, self.labels = graph, splits, steps, labels
+        self.buffers, self.copies, self.backends = buffers, copies, backends
 
     def run(self):
         for step in self.steps:
             step()
 
     def run_timed(self, acc):
+        """Like run, but each step is timed (GPU steps synchronised first, so their time is
+        their own): acc[(backend, op)] += seconds; copies are ("COPY", dst)."""
         clock = time.perf_counter
-        for node, step in zip(self.graph.nodes, self.steps):
+        for (backend, what), step in zip(self.labels, self.steps):
             t0 = clock()
             step()
-            acc[(node.backend, node.op)] += clock() - t0
+            self.backends[backend].synchronize()
+            acc[(backend, what)] += clock() - t0
+
+    @property
+    def copy_bytes(self):
+        return sum(c.n_bytes for c in self.copies)
 
 
-def assign_backends(graph, weight_backend, default="CPU"):
+def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cache_backend=None):
     """Set node.backend and node.cause for every node (see the module docstring)."""
     producer = {}
     for node in graph.nodes:
-        if node.weight is not None:
+        if node.op == "ATTN" and cache_backend is not None:
+            node.backend, node.cause = cache_backend(node.params["layer"]), "kv"
+        elif node.weight is not None:
             node.backend, node.cause = weight_backend(node.weight), "wgt"
+            if (node.backend == "CPU" and gpu and policy is not None and node.op != "GET_ROWS"
+                    and policy.offload(node, graph.n_tokens, cfg)):
+                node.backend, node.cause = gpu, "off"
         else:
             src = next((producer[s] for s in node.srcs if s in producer), None)
-            node.backend, node.cause = (src, "inp") if src else (default, "def")
+            node.backend, node.cause = (src, "inp") if src else ("CPU", "def")
         for out in node.outs:
             producer[out] = node.backend
 
@@ -58,16 +127,52 @@ def make_splits(graph):
     return splits
 
 
-def make_plan(graph, backends, weights, state, weight_backend=lambda name: "CPU"):
-    assign_backends(graph, weight_backend)
-    splits = make_splits(graph)
-    if any(s.backend not in backends for s in splits):
-        missing = sorted({s.backend for s in splits} - set(backends))
-        raise ValueError(f"no backend for {missing}")
-    cpu = backends["CPU"]
-    buffers = {name: cpu.alloc(b) for name, b in graph.buffers.items()}
-    steps = [backends[n.backend].bind(n, buffers, weights, state) for n in graph.nodes]
-    return Plan(graph, splits, steps, buffers)
+class _Buffers(dict):
+    """One backend's activation buffers, allocated when first asked for."""
+
+    def __init__(self, backend, graph):
+        super().__init__()
+        self.backend, self.graph = backend, graph
+
+    def __missing__(self, name):
+        b = self.graph.buffers[name]
+        arr = self[name] = self.backend.alloc(b.shape, b.dtype)
+        return arr
+
+
+def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=None, cfg=None):
+    gpus = [name for name in backends if name != "CPU"]
+    assign_backends(graph, weight_backend, policy, cfg, gpus[0] if gpus else None,
+                    lambda layer: state.kv.backends[layer])
+    bufs = {name: _Buffers(be, graph) for name, be in backends.items()}
+    valid = {name: {"CPU"} for name in graph.inputs}
+    steps, labels, copies = [], [], []
+
+    def ensure(name, where):
+        """Make buffer `name` current on backend `where`, adding a copy step if needed."""
+        if where in valid[name]:
+            return
+        src = "CPU" if "CPU" in valid[name] else sorted(valid[name])[0]
+        s_arr, d_arr = bufs[src][name], bufs[where][name]
+        dst_be = backends[where]
+        steps.append(lambda: dst_be.copy_in(d_arr, s_arr))
+        labels.append((where, "COPY"))
+        copies.append(Copy(name, src, where, int(s_arr.nbytes)))
+        valid[name].add(where)
+
+    for node in graph.nodes:
+        for src in node.srcs:
+            ensure(src, node.backend)
+        steps.append(backends[node.backend].bind(node, bufs[node.backend], state))
+        labels.append((node.backend, node.op))
+        for out in node.outs:
+            valid[out] = {node.backend}
+    if "logits" in valid:
+        ensure("logits", "CPU")
+    host = {name: bufs["CPU"][name] for name in graph.inputs}
+    if "logits" in valid:
+        host["logits"] = bufs["CPU"]["logits"]
+    return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
 
 
 def new_timing_table():

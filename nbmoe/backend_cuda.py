@@ -1,0 +1,142 @@
+"""The CUDA backend: the same binders as the CPU (backend.py) over numba.cuda kernels.
+
+Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
+which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
+each run into a scratch buffer; for expert products only the experts the router chose are
+uploaded (their ids come to the host first, a few bytes). Uploads read from pinned host
+copies made on first use (PCIe runs ~5x faster from pinned than from pageable memory, and
+the mmap'd file is pageable), so offloading costs RAM for those copies; NBMOE_NO_PIN=1
+uploads straight from the mmap instead.
+"""
+import os
+
+import numpy as np
+
+from .backend import Backend
+from .errors import NbmoeError
+
+
+def device_names():
+    """Buffer types of the visible GPUs: CUDA0, CUDA1, ... (none without numba-cuda or a GPU)."""
+    try:
+        from . import cuda as _  # noqa: F401  (numpy shim before numba.cuda)
+        from numba import cuda
+        if not cuda.is_available():
+            return []
+        return [f"CUDA{i}" for i in range(len(cuda.gpus))]
+    except Exception:   # numba-cuda missing or no driver: a CPU-only machine
+        return []
+
+
+class CUDABackend(Backend):
+    def __init__(self, name, tensors, resident):
+        super().__init__(tensors)
+        from numba import cuda
+
+        from .cuda import attention, matmul, moe, ops
+        self.cuda, self.name = cuda, name
+        self.mm, self.ops, self.attn, self.moe = matmul, ops, attention, moe
+        self.device = int(name[4:])
+        cuda.select_device(self.device)
+        self.resident = {}
+        self.vectors = {}
+        self.pinned = {}
+        self.scratch = {}
+        self.pin = os.environ.get("NBMOE_NO_PIN", "") != "1"
+        for n in resident:
+            t = tensors[n]
+            if len(t.ne) == 1:
+                self.vectors[n] = cuda.to_device(self._f32(t))
+            else:
+                self.resident[n] = cuda.to_device(np.ascontiguousarray(t.data))
+        self.weight_bytes = sum(a.nbytes for a in self.resident.values())
+
+    @staticmethod
+    def _f32(t):
+        from .cpu.matmul import dequantize
+        return np.ascontiguousarray(dequantize(t.data.reshape(1, -1), int(t.ggml_type)).reshape(-1))
+
+    # -- memory ---------------------------------------------------------------------------
+    def alloc(self, shape, dtype):
+        try:
+            return self.cuda.device_array(shape, dtype)
+        except Exception as e:   # CUDA_ERROR_OUT_OF_MEMORY and friends
+            raise NbmoeError(f"{self.name}: cannot allocate {np.prod(shape) * np.dtype(dtype).itemsize / 2**20:.1f} MiB ({e})") from None
+
+    def copy_in(self, dst, src):
+        """dst (here) <- src (a host array or a device array, possibly of another GPU)."""
+        dst.copy_to_device(src)
+
+    def synchronize(self):
+        self.cuda.synchronize()
+
+    def supports_type(self, ggml_type):
+        from .cuda.quants import is_supported
+        return is_supported(int(ggml_type))
+
+    # -- weights --------------------------------------------------------------------------
+    def weight(self, name):
+        return self.resident[name], int(self.tensors[name].ggml_type)
+
+    def vector(self, name):
+        if name not in self.vectors:
+            self.vectors[name] = self.cuda.to_device(self._f32(self.tensors[name]))
+        return self.vectors[name]
+
+    def host_copy(self, name):
+        """The RAM-resident weight as the source of uploads: pinned on first use."""
+        t = self.tensors[name]
+        if not self.pin:
+            return t.data
+        if name not in self.pinned:
+            p = self.cuda.pinned_array(t.data.shape, np.uint8)
+            np.copyto(p, t.data)
+            self.pinned[name] = p
+        return self.pinned[name]
+
+    def scratch_buffer(self, key, shape):
+        """A device buffer reused by every offloaded op of the same kind (one weight at a time)."""
+        n = int(np.prod(shape))
+        b = self.scratch.get(key)
+        if b is None or b.size < n:
+            b = self.scratch[key] = self.alloc((n,), np.uint8)
+        return b[:n].reshape(shape)
+
+    # -- offloaded matrix ops (weight in RAM) ------------------------------------------------
+    def bind_mul_mat(self, node, buf, state):
+        if node.weight in self.resident:
+            return super().bind_mul_mat(node, buf, state)
+        t = self.tensors[node.weight]
+        host = self.host_copy(node.weight).reshape(-1, t.data.shape[-1])
+        w, qtype, mm = self.scratch_buffer("mul_mat", host.shape), int(t.ggml_type), self.mm
+        out, x = buf[node.out], buf[node.srcs[0]]
+        out, x = out.reshape(out.shape[0], -1), x.reshape(x.shape[0], -1)
+
+        def run():
+            w.copy_to_device(host)
+            mm.mul_mat(out, w, x, qtype)
+        return run
+
+    def bind_mul_mat_id(self, node, buf, state):
+        if node.weight in self.resident:
+            return super().bind_mul_mat_id(node, buf, state)
+        t = self.tensors[node.weight]
+        host = self.host_copy(node.weight)                         # [E, M, row_bytes]
+        qtype, mm, cuda = int(t.ggml_type), self.mm, self.cuda
+        out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
+        if len(x.shape) == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])
+        w_all = self.scratch_buffer("mul_mat_id", host.shape)
+        local_ids = self.alloc(ids.shape, np.int32)
+        ids_host = cuda.pinned_array(ids.shape, np.int32)
+        self.last_uploaded = 0
+
+        def run():
+            ids.copy_to_host(ids_host)                             # waits for the router
+            used = np.unique(ids_host)                             # upload only chosen experts
+            for j, e in enumerate(used):
+                w_all[j].copy_to_device(host[e])
+            local_ids.copy_to_device(np.searchsorted(used, ids_host).astype(np.int32))
+            self.last_uploaded = len(used)
+            mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)
+        return run

@@ -1,0 +1,75 @@
+"""What the engine decided and what it costs: `--explain` and `--timings` tables.
+
+explain: where every class of tensor lives and why (blk.N. collapsed into layer ranges),
+then, for a generated token and for a prompt micro-batch, the schedule: splits, copies and
+bytes copied per micro-batch, and how many nodes run where for which cause.
+timings: per backend, the time of each op type, copies and Python scheduling overhead (what
+the wall clock saw beyond the steps) as shares of a token's time, like ik_llama.cpp's op
+timing breakdown.
+"""
+import re
+from collections import Counter, defaultdict
+
+from rich.table import Table
+
+CAUSES = {"wgt": "weight lives there", "off": "offloaded: RAM weight, large batch",
+          "kv": "attention where its KV cache lives",
+          "inp": "follows its input", "def": "graph input"}
+
+
+def _ranges(nums):
+    nums, out = sorted(nums), []
+    for n in nums:
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def placement_table(placement):
+    groups = defaultdict(list)
+    for name, (buftype, cause) in placement.items():
+        m = re.match(r"^blk\.(\d+)\.(.*)$", name)
+        key = (m.group(2) if m else name, buftype, cause)
+        groups[key].append(int(m.group(1)) if m else None)
+    t = Table(title="tensor placement", title_justify="left")
+    for col in ("tensor", "layers", "buffer", "cause"):
+        t.add_column(col)
+    for (name, buftype, cause), layers in sorted(groups.items(), key=lambda kv: (kv[0][0], min(x or 0 for x in kv[1]))):
+        t.add_row(name, _ranges([x for x in layers if x is not None]) if layers[0] is not None else "",
+                  buftype, cause)
+    return t
+
+
+def schedule_table(llm, batches):
+    t = Table(title="schedule per micro-batch", title_justify="left")
+    for col in ("batch", "splits", "copies", "MiB copied", "nodes by backend and cause"):
+        t.add_column(col, justify="right" if col != "nodes by backend and cause" else "left")
+    for n in batches:
+        plan = llm.plan(n, 1)
+        count = Counter((node.backend, node.cause) for node in plan.graph.nodes)
+        offl = Counter(node.op for node in plan.graph.nodes if node.cause == "off")
+        nodes = ", ".join(f"{b}/{c}: {k}" for (b, c), k in sorted(count.items()))
+        if offl:
+            nodes += " | offloaded: " + ", ".join(f"{op} x{k}" for op, k in offl.items())
+        t.add_row(str(n), str(len(plan.splits)), str(len(plan.copies)),
+                  f"{plan.copy_bytes / 2**20:.2f}", nodes)
+    return t
+
+
+def legend():
+    return "causes: " + "; ".join(f"{k} = {v}" for k, v in CAUSES.items())
+
+
+def timings_table(acc, wall, n_tokens):
+    """acc[(backend, op)] seconds over n_tokens runs; wall = their total wall-clock time."""
+    t = Table(title=f"time per token ({n_tokens} tokens, {wall / n_tokens * 1e3:.2f} ms each)",
+              title_justify="left")
+    for col in ("backend", "op", "ms/token", "share"):
+        t.add_column(col, justify="left" if col in ("backend", "op") else "right")
+    for (backend, op), sec in sorted(acc.items(), key=lambda kv: -kv[1]):
+        t.add_row(backend, op, f"{sec / n_tokens * 1e3:.3f}", f"{sec / wall:.1%}")
+    overhead = wall - sum(acc.values())
+    t.add_row("-", "Python scheduling / other", f"{overhead / n_tokens * 1e3:.3f}", f"{overhead / wall:.1%}")
+    return t

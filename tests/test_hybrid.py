@@ -1,0 +1,107 @@
+"""Hybrid CPU + GPU execution: placements, the offload policy, copies between splits.
+
+Runs on the CUDA simulator in CI (tiny models) and on a real GPU with NBMOE_REAL_GPU=1.
+Every placement must give the CPU engine's logits (both on the exact float path).
+"""
+import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads)
+import numpy as np
+import pytest
+
+import nbmoe
+from nbmoe import scheduler
+from nbmoe.cpu import matmul
+
+# The simulator runs every CUDA thread as a Python thread: the model is tiny, the output
+# layer (295 vocabulary rows) stays on the CPU, and offload thresholds are patched low.
+MOE = dict(arch="qwen3moe", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=64,
+           n_expert=4, n_expert_used=2, n_ff_exp=32)
+PROMPT = [1, 17, 200]
+KEEP_OUTPUT = ["output=CPU"] if cuda_setup.SIM else []
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0")
+
+
+@pytest.fixture(autouse=True)
+def exact(monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+
+
+def load(path, override_tensors=(), **kw):
+    return nbmoe.load(path, n_ctx=64, threads=2, override_tensors=list(override_tensors) + KEEP_OUTPUT, **kw)
+
+
+def cpu_logits(path, ids):
+    return nbmoe.load(path, n_ctx=64, threads=2).eval(ids)
+
+
+def close(a, b):
+    return np.abs(a - b).max() <= 2e-4 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("placement", [
+    dict(n_gpu_layers=99),                                   # everything on the GPU
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM
+    dict(n_gpu_layers=2),                                    # output + the last layer
+    dict(n_gpu_layers=99, n_cpu_moe=1),                      # experts of layer 0 in RAM
+])
+def test_hybrid_equals_cpu(model, placement):
+    llm = load(model, **placement)
+    assert "CUDA0" in llm.backends
+    got = llm.eval(PROMPT)
+    assert close(got, cpu_logits(model, PROMPT))
+    # one-token steps through the GPU-resident KV cache
+    nxt = llm.eval([int(got[-1].argmax())])
+    ref = nbmoe.load(model, n_ctx=64, threads=2)
+    ref.eval(PROMPT)
+    assert close(nxt, ref.eval([int(got[-1].argmax())]))
+
+
+def test_experts_stay_on_cpu_for_small_batches(model):
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    plan = llm.plan(4, 1)
+    ids_nodes = [n for n in plan.graph.nodes if n.op == "MUL_MAT_ID"]
+    assert ids_nodes and all(n.backend == "CPU" and n.cause == "wgt" for n in ids_nodes)
+    attn = [n for n in plan.graph.nodes if n.weight and "attn" in n.weight]
+    assert all(n.backend == "CUDA0" for n in attn)
+    # embedding on CPU, then per layer GPU attention + router and CPU experts, then the
+    # output layer (on the CPU in the simulator, on the GPU otherwise)
+    assert len(plan.splits) == 1 + 2 * 2 + (0 if KEEP_OUTPUT else 1)
+    assert plan.copy_bytes > 0
+
+
+def test_offload_thresholds(model):
+    """MUL_MAT with a RAM weight goes to the GPU from 32 rows; MUL_MAT_ID from 32*E/A = 64."""
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU", "attn_q=CPU"])
+
+    def causes(T):
+        g = llm.plan(T, 0).graph
+        return ({n.cause for n in g.nodes if n.weight and "attn_q" in n.weight},
+                {n.cause for n in g.nodes if n.op == "MUL_MAT_ID"})
+    assert causes(31) == ({"wgt"}, {"wgt"})
+    assert causes(32) == ({"off"}, {"wgt"})
+    assert causes(63) == ({"off"}, {"wgt"})
+    assert causes(64) == ({"off"}, {"off"})
+
+
+def test_offload_policy_switches(model):
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="MUL_MAT_ID,0")
+    g = llm.plan(64, 0).graph
+    assert {n.backend for n in g.nodes if n.op == "MUL_MAT_ID"} == {"CPU"}
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="-1,0,MUL_MAT_ID,1")
+    g = llm.plan(64, 0).graph
+    assert {n.cause for n in g.nodes if n.op == "MUL_MAT_ID"} == {"off"}
+
+
+def test_offloaded_experts_match_cpu(model, monkeypatch):
+    """A batch over the expert threshold: chosen experts are uploaded and run on the GPU
+    (threshold patched from 32 rows to 2, so 4 tokens are enough in the simulator)."""
+    monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    ids = [3, 44, 100, 7]
+    got = llm.eval(ids)
+    assert {n.cause for n in llm.plan(4, 4).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
+    assert close(got, cpu_logits(model, ids))
+    assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
