@@ -1,4 +1,6 @@
 """nbmoe: Mixture-of-Experts GGUF inference in plain Python compiled by Numba."""
+import glob
+import hashlib
 import os
 
 import numba
@@ -7,6 +9,25 @@ import numba
 # SIMD (see KERNEL_NOTES.md). It must be set before the first kernel compiles.
 if "NUMBA_SLP_VECTORIZE" not in os.environ:
     numba.config.SLP_VECTORIZE = 1
+
+
+def _kernel_cache_dir():
+    """Numba checks only a cached function's own file, so an edited helper module (a block
+    decoder called by matmul) would leave stale machine code in use; nor does its key see
+    compile flags. So the on-disk cache lives in a folder named by a hash of every kernel
+    source and those flags: any change starts a fresh one."""
+    here = os.path.dirname(__file__)
+    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} "
+                     f"novnni={os.environ.get('NBMOE_NO_VNNI', '')}".encode())
+    for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    from .paths import cache_dir
+    return os.path.join(cache_dir(), "kernels", h.hexdigest()[:16])
+
+
+if "NUMBA_CACHE_DIR" not in os.environ:
+    numba.config.CACHE_DIR = _kernel_cache_dir()
 
 from .errors import NbmoeError  # noqa: E402
 

