@@ -1,0 +1,223 @@
+"""KV cache store and causal grouped-query attention over an f16 cache, on the GPU.
+
+Letters: T tokens in the micro-batch, H query heads, Hkv kv heads, G = H // Hkv query heads per
+kv head, Dh head dim, C cache slots, n keys attended by one query, P key splits.
+
+Cache layout, per layer (as on the CPU): k_cache, v_cache uint16 [C, Hkv, Dh] device arrays of
+f16 bit patterns; attention loads them with ld_f16 (f16 -> float32 in hardware), store_kv
+writes through a float16 view. Token t of the batch sits at position pos0 + t.
+"""
+import numpy as np
+from numba import cuda
+
+from . import device_fn, expf, ld_f16, shfl_idx, warp_max, warp_sum
+
+f32 = np.float32
+NEG_INF = f32(-np.inf)
+
+# Query heads (= warps) per attention block: consecutive heads share a kv head, so their
+# K / V rows are read from L1 once.
+HEADS_PER_BLOCK = 4
+# Key splits (flash-decoding) when T <= SPLIT_MAX_T: spans of >= SPLIT_KEYS keys, at most
+# MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
+# (latency-bound), so many short spans keep more warps busy.
+SPLIT_MAX_T = 2
+SPLIT_KEYS = 64
+MAX_SPLITS = 128
+
+_kernels = {}
+_scratch = {}
+
+
+# ---------------------------------------------------------------- store_kv
+# k, v [T, Hkv, Dh] float32 -> cache rows pos0 .. pos0+T-1 as f16 (round to nearest even).
+
+@cuda.jit
+def store_kv_kernel(k_cache, v_cache, k, v, pos0):
+    Hkv, Dh = k.shape[1], k.shape[2]
+    idx = cuda.grid(1)
+    if idx < k.shape[0] * Hkv * Dh:
+        t = idx // (Hkv * Dh)
+        rem = idx - t * Hkv * Dh
+        g = rem // Dh
+        d = rem - g * Dh
+        k_cache[pos0 + t, g, d] = np.float16(k[t, g, d])
+        v_cache[pos0 + t, g, d] = np.float16(v[t, g, d])
+
+
+def store_kv(k_cache, v_cache, k, v, pos0, stream=0):
+    """Write k, v [T, Hkv, Dh] as f16 into cache rows pos0 .. pos0 + T - 1."""
+    T = k.shape[0]
+    if pos0 < 0 or pos0 + T > k_cache.shape[0]:
+        raise ValueError("store_kv: rows pos0 .. pos0 + T - 1 are outside the KV cache")
+    n = T * k.shape[1] * k.shape[2]
+    if n:
+        store_kv_kernel[(n + 255) // 256, 256, stream](
+            k_cache.view(np.float16), v_cache.view(np.float16), k, v, int(pos0))
+
+
+# ---------------------------------------------------------------- attention
+# out[t, h] = softmax_j(scale * q[t, h] . k[j, g]) @ v[j, g],  g = h // G, over keys j with
+# j <= pos0 + t and (window == 0 or j > pos0 + t - window).
+# One warp per (token, query head), HEADS_PER_BLOCK heads a block, grid (T, H / heads, P).
+# Lane l holds dims l, l + 32, ... (DPL = ceil(Dh / 32) of them) of q (pre-scaled) and of the
+# output accumulator. Keys in tiles of 32: a score per key by a warp sum over coalesced row
+# loads (lane jj keeps key jj's), then an online-softmax step per tile (max, rescale, one exp
+# per lane), then the tile's values weighted by each key's p (broadcast by a shuffle).
+# Measured on the H200 (T=512 at 4k context, 32 heads, Dh 128): 9.8 ms; lanes scoring a key
+# each over all Dh (rows read lane by lane) took 34 ms, 4 keys per iteration 14 ms.
+# A warp walks its keys one after the other: latency-bound. Next step: query tiles sharing
+# K / V tiles in shared memory (flash-attention), tensor cores. Split p of P takes an equal share of the
+# token's keys and writes (acc, max, sum) for the merge kernel; with P == 1 it writes out.
+# Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
+# out may alias q: a warp reads its q row before it writes the same row.
+
+def _attention_kernel(Dh):
+    DPL = (Dh + 31) // 32
+    k_ = _kernels.get(("attn", Dh))
+    if k_ is not None:
+        return k_
+
+    @device_fn
+    def q_dot(qv, cache, rb, lane):
+        """This lane's part of q . (the cache row at byte offset rb): dims lane, lane + 32, ..."""
+        s = f32(0.0)
+        for c in range(DPL):
+            d = lane + 32 * c
+            if d < Dh:
+                s += qv[c] * ld_f16(cache, rb, 2 * d)
+        return s
+
+    @device_fn
+    def add_v(acc, pb, cache, rb, lane):
+        """acc += pb * (the value row at byte offset rb), dims lane, lane + 32, ..."""
+        for c in range(DPL):
+            d = lane + 32 * c
+            if d < Dh:
+                acc[c] += pb * ld_f16(cache, rb, 2 * d)
+
+    @cuda.jit
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos0, scale, window):
+        H = q.shape[1]
+        Hkv = k_cache.shape[1]
+        G = H // Hkv
+        P = cuda.gridDim.z
+        lane = cuda.threadIdx.x
+        t = cuda.blockIdx.x
+        h = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+        hh = min(h, H - 1)
+        g = hh // G
+        p = cuda.blockIdx.z
+        hi = pos0 + t + 1
+        lo = max(0, hi - window) if window > 0 else 0
+        span = (hi - lo + P - 1) // P
+        a = lo + p * span
+        b = min(hi, a + span)
+        row = Hkv * Dh * 2                         # bytes of one cache position
+        qv = cuda.local.array(DPL, f32)
+        acc = cuda.local.array(DPL, f32)
+        for c in range(DPL):
+            d = lane + 32 * c
+            qv[c] = q[t, hh, d] * scale if d < Dh and h < H else f32(0.0)
+            acc[c] = f32(0.0)
+        m = NEG_INF
+        tot = f32(0.0)
+        for j0 in range(a, b, 32):
+            nk = min(32, b - j0)
+            kb = (j0 * Hkv + g) * Dh * 2           # byte offset of key j0's row
+            s_mine = NEG_INF                       # lane jj: the score of key j0 + jj
+            for jj in range(nk):
+                s = warp_sum(q_dot(qv, k_cache, kb + jj * row, lane))
+                if lane == jj:
+                    s_mine = s
+            m_new = max(m, warp_max(s_mine))
+            pj = expf(s_mine - m_new)              # 0 for lanes past the tile
+            corr = expf(m - m_new)                 # 0 on the first tile (m = -inf)
+            tot = tot * corr + warp_sum(pj)
+            for c in range(DPL):
+                acc[c] *= corr
+            for jj in range(nk):
+                add_v(acc, shfl_idx(pj, jj), v_cache, kb + jj * row, lane)
+            m = m_new
+        if h < H:
+            if P == 1:
+                inv = f32(1.0) / tot
+                for c in range(DPL):
+                    d = lane + 32 * c
+                    if d < Dh:
+                        out[t, h, d] = acc[c] * inv
+            else:
+                for c in range(DPL):
+                    d = lane + 32 * c
+                    if d < Dh:
+                        part_acc[p, t, h, d] = acc[c]
+                if lane == 0:
+                    part_ml[p, t, h, 0] = m
+                    part_ml[p, t, h, 1] = tot
+
+    _kernels[("attn", Dh)] = attention_kernel
+    return attention_kernel
+
+
+# Merge of P splits: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max m_p.
+# Splits that got no keys have m = -inf, l = 0 and weigh 0. One thread per output value.
+
+@cuda.jit
+def merge_splits_kernel(out, part_acc, part_ml, P):
+    T, H, Dh = out.shape
+    idx = cuda.grid(1)
+    if idx >= T * H * Dh:
+        return
+    t = idx // (H * Dh)
+    rem = idx - t * H * Dh
+    h = rem // Dh
+    d = rem - h * Dh
+    M = part_ml[0, t, h, 0]
+    for p in range(1, P):
+        M = max(M, part_ml[p, t, h, 0])
+    num = f32(0.0)
+    den = f32(0.0)
+    for p in range(P):
+        f = expf(part_ml[p, t, h, 0] - M)
+        num += f * part_acc[p, t, h, d]
+        den += f * part_ml[p, t, h, 1]
+    out[t, h, d] = num / den
+
+
+def _buffer(name, shape):
+    """A float32 device buffer of this shape, reused across calls (one stream at a time); the
+    shaped view is cached too (slicing and reshaping a device array costs tens of us)."""
+    v = _scratch.get((name, shape))
+    if v is None:
+        v = _scratch[(name, shape)] = cuda.device_array(shape, np.float32)
+    return v
+
+
+def attention(out, q, k_cache, v_cache, pos0, scale, window=0, stream=0):
+    """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
+
+    The cache must already hold rows 0 .. pos0 + T - 1 (store_kv first). window > 0 limits
+    each query to its `window` most recent positions (itself included).
+    """
+    T, H, Dh = q.shape
+    if pos0 < 0 or pos0 + T > k_cache.shape[0]:
+        raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
+    if T == 0:
+        return
+    n = pos0 + T if window == 0 else min(pos0 + T, window)    # keys of the last token
+    P = 1
+    if T <= SPLIT_MAX_T and n >= 2 * SPLIT_KEYS:
+        P = min(MAX_SPLITS, n // SPLIT_KEYS)
+    hb = min(HEADS_PER_BLOCK, H)
+    grid = (T, (H + hb - 1) // hb, P)
+    kern = _attention_kernel(Dh)
+    kc, vc = k_cache, v_cache        # uint16 f16 bits, read by ld_f16
+    if P == 1:
+        dummy = _buffer("dummy", (1, 1, 1, 2))
+        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, int(pos0), f32(scale), int(window))
+        return
+    part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))       # splits p < P used
+    part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, int(pos0), f32(scale), int(window))
+    m = T * H * Dh
+    merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P)

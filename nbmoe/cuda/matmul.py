@@ -1,0 +1,680 @@
+"""Matrix products with GGUF-quantized weights on the GPU: mul_mat, mul_mat_id, get_rows.
+
+Letters: T tokens, M output features (weight rows), K input features (values per row),
+E experts, A chosen experts per token, X input rows per token for mul_mat_id (1 or A),
+B = K / 32 blocks per row, N = T * A (token, slot) pairs. The unit: 8 values of a block
+(quants.py).
+
+Weights: device uint8 [M, row_bytes] or [E, M, row_bytes], the raw GGUF bytes, any type of
+quants.TYPES, passed to the kernels as they are (decoders load fields at byte offsets).
+Activations and outputs float32 C-contiguous device arrays; ids int32. Every launcher takes
+an optional stream and never waits for the device. Hot loops load through the ld_* loaders
+(32-bit offsets, no negative-index fix-ups): Numba's own x[t, i] costs ~10 64-bit integer
+instructions a load, which made the first matrix-vector kernel instruction-bound.
+
+Two kernels, chosen per call by the number of tokens T sharing a weight matrix:
+  matrix-vector (T <= MMV_MAX_T: generation)  one warp per weight row; lane l decodes units
+      l, l + 32, ... of the row (a warp reads contiguous bytes), dots each with the NT tokens'
+      x while in registers, and the warp sums its lanes by shuffles. Weights are read once.
+      Block types (INT8_DOT): x is first quantized to 8 bits per 32-block (quantize_x_kernel,
+      a second launch) and a unit costs two dp4a; float types dot in float32.
+  tiled (prompts)  a block computes a TILE_M x TILE_T tile of out: per 32-value step it decodes
+      TILE_M rows' block into shared memory (one unit per thread) next to TILE_T tokens' x,
+      then each thread accumulates an RM x RT piece from shared memory.
+mul_mat_id: for T <= MMV_MAX_T one matrix-vector block row per (token, slot) pair (its expert
+read on the device); for prompts the pairs are grouped by expert on the device (one block:
+counts, offsets, a table of (expert, first pair, pairs) tiles), then the tiled kernel runs
+over (row tile, pair tile) with the pairs gathered. Experts nobody chose are never read.
+Kernels are built per (type, sizes) by small factories, compiled on first use and cached.
+"""
+import numpy as np
+from numba import cuda
+
+from . import device_fn, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
+from .quants import qtype_info, unit_cols
+
+f32 = np.float32
+i32 = np.int32
+u32 = np.uint32
+
+# Tokens sharing a weight matrix up to which the matrix-vector kernel runs.
+MMV_MAX_T = 8
+# Matrix-vector products of the block types with x quantized to 8 bits (integer dot products,
+# ~0.5% error from x's rounding, as llama.cpp and the CPU's INT8_DOT). False: exact float dots.
+INT8_DOT = True
+# Weight rows (= warps) per matrix-vector block.
+MMV_WARPS = 4
+# Tiled kernel: out tile TILE_M rows x TILE_T tokens, RM x RT per thread.
+TILE_M, TILE_T, TILE_RM, TILE_RT = 64, 64, 4, 4
+# mul_mat_id tiles hold fewer tokens: experts get N / E tokens each on average.
+TILE_T_ID = 32
+# Experts the grouping kernel handles (shared-memory counters).
+MAX_E = 1024
+# Threads of the get_rows / dequantize kernels (one unit each).
+ROWS_THREADS = 128
+
+_kernels = {}
+
+
+def _cached(key, build):
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = build()
+    return k
+
+
+@device_fn
+def dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail):
+    """A unit's 8 values dotted with the x row at byte offset xb, columns i0.. and i1..
+    (unit_cols). tail (float types, whose K need not be a multiple of 8): columns past K read
+    column K - 1 (times a 0)."""
+    if tail:
+        return (v0 * ld_f32(x, xb, 4 * min(i0, K - 1)) + v1 * ld_f32(x, xb, 4 * min(i0 + 1, K - 1))
+                + v2 * ld_f32(x, xb, 4 * min(i0 + 2, K - 1)) + v3 * ld_f32(x, xb, 4 * min(i0 + 3, K - 1))
+                + v4 * ld_f32(x, xb, 4 * min(i1, K - 1)) + v5 * ld_f32(x, xb, 4 * min(i1 + 1, K - 1))
+                + v6 * ld_f32(x, xb, 4 * min(i1 + 2, K - 1)) + v7 * ld_f32(x, xb, 4 * min(i1 + 3, K - 1)))
+    return (v0 * ld_f32(x, xb, 4 * i0) + v1 * ld_f32(x, xb, 4 * i0 + 4)
+            + v2 * ld_f32(x, xb, 4 * i0 + 8) + v3 * ld_f32(x, xb, 4 * i0 + 12)
+            + v4 * ld_f32(x, xb, 4 * i1) + v5 * ld_f32(x, xb, 4 * i1 + 4)
+            + v6 * ld_f32(x, xb, 4 * i1 + 8) + v7 * ld_f32(x, xb, 4 * i1 + 12))
+
+
+# ---------------------------------------------------------------- matrix-vector
+# out[t, r] = sum_k dequant(w)[r, k] * x[t, k]  for T <= MMV_MAX_T.
+# Grid (ceil(M / warps), ceil(T / NT)), block (32, warps): warp = row, block row y = NT tokens.
+# Rows past M and tokens past T compute on clamped indices and are not written, so every lane
+# reaches the shuffles.
+
+def _mmv_kernel(qtype, NT):
+    t_ = qtype_info(qtype)
+    dec, split, tail = t_.dec, t_.split, t_.block == 1
+
+    def build():
+        @cuda.jit
+        def mul_mat_vec_kernel(out, w, x, RB, K):
+            M, T = out.shape[1], out.shape[0]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            base = min(r, M - 1) * RB
+            t0 = cuda.blockIdx.y * NT
+            acc = cuda.local.array(NT, f32)
+            for j in range(NT):
+                acc[j] = f32(0.0)
+            for n in range(lane, (K + 7) // 8, 32):
+                b = n >> 2
+                u = n & 3
+                v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, b, u, K)
+                i0, i1 = unit_cols(b, u, split)
+                for j in range(NT):
+                    xb = min(t0 + j, T - 1) * K * 4
+                    acc[j] += dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail)
+            for j in range(NT):
+                tot = warp_sum(acc[j])
+                if lane == 0 and r < M and t0 + j < T:
+                    out[t0 + j, r] = tot
+        return mul_mat_vec_kernel
+    return _cached(("mmv", int(qtype), NT), build)
+
+
+# ---------------------------------------------------------------- x to 8 bits
+# x [N, K] (any shape of N rows of K, C-contiguous) -> flat buffers xq int32 [N * K / 4]
+# (4 int8 codes a word, little-endian) and xds float32 [N * K / 16] ((d, s) per 32-block):
+# d = max|x| / 127, code = rint(x / d), s = d * sum of the codes (as the CPU's quantize_x).
+# One thread per word, 8 lanes per block reduce by shuffles; threads past the end work on the
+# last word and do not write (every lane reaches the shuffles).
+
+@cuda.jit
+def quantize_x_kernel(xq, xds, x, n_words):
+    idx = cuda.grid(1)
+    i = min(idx, n_words - 1)
+    x0 = ld_f32(x, 0, 16 * i)
+    x1 = ld_f32(x, 0, 16 * i + 4)
+    x2 = ld_f32(x, 0, 16 * i + 8)
+    x3 = ld_f32(x, 0, 16 * i + 12)
+    a = max(max(abs(x0), abs(x1)), max(abs(x2), abs(x3)))
+    if x0 != x0 or x1 != x1 or x2 != x2 or x3 != x3:
+        a = x0 + x1 + x2 + x3                      # NaN sticks: d = NaN, so the output is NaN
+    for m in (4, 2, 1):
+        o = shfl_xor(a, m)
+        if o > a or o != o:
+            a = o
+    d = a / f32(127.0)
+    inv = f32(1.0) / d if d > f32(0.0) else f32(0.0)
+    q0 = i32(rintf(x0 * inv))
+    q1 = i32(rintf(x1 * inv))
+    q2 = i32(rintf(x2 * inv))
+    q3 = i32(rintf(x3 * inv))
+    sq = q0 + q1 + q2 + q3
+    for m in (4, 2, 1):
+        sq += shfl_xor(sq, m)
+    if idx < n_words:
+        xq[idx] = i32(u32(q0 & 0xFF) | (u32(q1 & 0xFF) << u32(8))
+                      | (u32(q2 & 0xFF) << u32(16)) | (u32(q3 & 0xFF) << u32(24)))
+        if idx % 8 == 0:
+            xds[idx // 4] = d
+            xds[idx // 4 + 1] = d * f32(sq)
+
+
+def _quantize_x(x, n_rows, K, stream):
+    """x (n_rows rows of K) -> (xq, xds) in reused flat device buffers (one stream at a time)."""
+    n = n_rows * K // 4
+    xq = _buffer("xq", n, np.int32)
+    xds = _buffer("xds", n // 4, np.float32)
+    quantize_x_kernel[(n + 127) // 128, 128, stream](xq, xds, x, n)
+    return xq, xds
+
+
+# ---------------------------------------------------------------- matrix-vector, int8 x
+# As mul_mat_vec_kernel, with x as 8-bit words: a unit is 2 dp4a + a multiply-add per token
+# (the float kernel spends ~40 instructions a value on decode, loads and index math).
+# mul_mat_vec_id_q8_kernel is the mul_mat_id version (block row y = pair, as below).
+
+@device_fn
+def unit_words(b, u, split):
+    """Word indices in xq of the x columns unit_cols gives."""
+    if split:
+        return 8 * b + u, 8 * b + 4 + u
+    return 8 * b + 2 * u, 8 * b + 2 * u + 1
+
+
+@device_fn
+def unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split):
+    """A unit's contribution with x row xr quantized: d * xd * (codes . x codes) + (m / 4) * xs."""
+    w0, w1 = unit_words(b, u, split)
+    qb = xr * K                                   # byte offset of the row in xq (K codes)
+    isum = dp4a(c0, ld_i32(xq, qb, 4 * w0), dp4a(c1, ld_i32(xq, qb, 4 * w1), 0))
+    db = xr * (K // 4)                            # byte offset of the row in xds (2 B floats)
+    return ld_f32(xds, db, 8 * b) * (d * f32(isum)) + m4 * ld_f32(xds, db, 8 * b + 4)
+
+
+def _mmv_q8_kernel(qtype, NT):
+    t_ = qtype_info(qtype)
+    idec, split = t_.idec, t_.split
+
+    def build():
+        @cuda.jit
+        def mul_mat_vec_q8_kernel(out, w, xq, xds, RB, K):
+            M, T = out.shape[1], out.shape[0]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            base = min(r, M - 1) * RB
+            t0 = cuda.blockIdx.y * NT
+            acc = cuda.local.array(NT, f32)
+            for j in range(NT):
+                acc[j] = f32(0.0)
+            for n in range(lane, K >> 3, 32):
+                b = n >> 2
+                u = n & 3
+                c0, c1, d, m4 = idec(w, base, b, u)
+                for j in range(NT):
+                    acc[j] += unit_dot_q8(c0, c1, d, m4, xq, xds, min(t0 + j, T - 1), b, u, K, split)
+            for j in range(NT):
+                tot = warp_sum(acc[j])
+                if lane == 0 and r < M and t0 + j < T:
+                    out[t0 + j, r] = tot
+        return mul_mat_vec_q8_kernel
+    return _cached(("mmv_q8", int(qtype), NT), build)
+
+
+def _mmv_id_q8_kernel(qtype):
+    t_ = qtype_info(qtype)
+    idec, split = t_.idec, t_.split
+
+    def build():
+        @cuda.jit
+        def mul_mat_vec_id_q8_kernel(out, w, xq, xds, ids, X, RB, K):
+            M = out.shape[2]
+            A = ids.shape[1]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            p = cuda.blockIdx.y
+            t = p // A
+            a = p - t * A
+            base = (ids[t, a] * M + min(r, M - 1)) * RB
+            xr = t * X + (a if X == A else 0)
+            acc = f32(0.0)
+            for n in range(lane, K >> 3, 32):
+                b = n >> 2
+                u = n & 3
+                c0, c1, d, m4 = idec(w, base, b, u)
+                acc += unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split)
+            tot = warp_sum(acc)
+            if lane == 0 and r < M:
+                out[t, a, r] = tot
+        return mul_mat_vec_id_q8_kernel
+    return _cached(("mmv_id_q8", int(qtype)), build)
+
+
+# ---------------------------------------------------------------- mul_mat_id, matrix-vector
+# out[t, a, r] = dequant(w[ids[t, a]])[r] . x[t, a if X == A else 0]: expert e's row r is row
+# e * M + r of the flat weights, x row t * X + (a or 0) of the flat x.
+# Grid (ceil(M / warps), N), block (32, warps): block row y = one pair.
+
+def _mmv_id_kernel(qtype):
+    t_ = qtype_info(qtype)
+    dec, split, tail = t_.dec, t_.split, t_.block == 1
+
+    def build():
+        @cuda.jit
+        def mul_mat_vec_id_kernel(out, w, x, ids, X, RB, K):
+            M = out.shape[2]
+            A = ids.shape[1]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            p = cuda.blockIdx.y
+            t = p // A
+            a = p - t * A
+            base = (ids[t, a] * M + min(r, M - 1)) * RB
+            xb = (t * X + (a if X == A else 0)) * K * 4
+            acc = f32(0.0)
+            for n in range(lane, (K + 7) // 8, 32):
+                b = n >> 2
+                u = n & 3
+                v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, b, u, K)
+                i0, i1 = unit_cols(b, u, split)
+                acc += dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail)
+            tot = warp_sum(acc)
+            if lane == 0 and r < M:
+                out[t, a, r] = tot
+        return mul_mat_vec_id_kernel
+    return _cached(("mmv_id", int(qtype)), build)
+
+
+# ---------------------------------------------------------------- tiled
+# out[orow[j], r0 + i] = sum_k dequant(w)[rbase + r0 + i, k] * x[xrow[j], k] over the tile's
+# i < TM rows and j < TT token slots. Plain: tile (bx, by), slot j = token by * TT + j.
+# Gathered (mul_mat_id): tile by = (expert, first pair, pairs) of `tiles` (flat: tiles[0] the
+# count, then 3 ints a tile), slot j = pair order[first + j] = t * A + a,
+# xrow = t * X + (a if X == A else 0), output out[t, a].
+# Block: (TM / RM) * (TT / RT) threads; thread (tr, tc) owns rows tr + i * TM / RM (i < RM),
+# so a warp reads 32 different shared-memory rows of stride 33 (no bank conflicts), and
+# slots tc * RT + j (one value a warp: a broadcast). K must be a multiple of 32.
+
+@device_fn
+def _store_token(out, o, A, r, v):
+    out[o, r] = v
+
+
+@device_fn
+def _store_pair(out, p, A, r, v):
+    t = p // A
+    out[t, p - t * A, r] = v
+
+
+def _tiled_kernel(qtype, TM, TT, RM, RT, gather):
+    t_ = qtype_info(qtype)
+    dec, split = t_.dec, t_.split
+    SR = TM // RM              # threads along rows
+    NTH = SR * (TT // RT)      # threads in the block
+    ACC = RM * RT              # (local and shared array shapes must be plain constants)
+    WS, XS = (TM, 33), (TT, 33)
+    store = _store_pair if gather else _store_token
+
+    def build():
+        @cuda.jit
+        def mul_mat_tiled_kernel(out, w, x, RB, K, T, M, order, tiles, A, X):
+            ws = cuda.shared.array(WS, f32)          # decoded weights, padded against bank conflicts
+            xs = cuda.shared.array(XS, f32)
+            xrow = cuda.shared.array(TT, i32)
+            orow = cuda.shared.array(TT, i32)
+            tid = cuda.threadIdx.x
+            r0 = cuda.blockIdx.x * TM
+            rbase = 0
+            if gather:
+                if cuda.blockIdx.y >= tiles[0]:
+                    return                           # the whole block: beyond the tile table
+                k3 = 3 * cuda.blockIdx.y + 1
+                rbase = tiles[k3] * M
+                first = tiles[k3 + 1]
+                cnt = tiles[k3 + 2]
+                for j in range(tid, TT, NTH):
+                    if j < cnt:
+                        p = order[first + j]
+                        t = p // A
+                        xrow[j] = t * X + (p - t * A if X == A else 0)
+                        orow[j] = p
+                    else:
+                        xrow[j] = -1
+                        orow[j] = -1
+            else:
+                for j in range(tid, TT, NTH):
+                    t = cuda.blockIdx.y * TT + j
+                    xrow[j] = t if t < T else -1
+                    orow[j] = xrow[j]
+            tr = tid % SR
+            tc = tid // SR
+            acc = cuda.local.array(ACC, f32)
+            a = cuda.local.array(RM, f32)
+            for i in range(ACC):
+                acc[i] = f32(0.0)
+            cuda.syncthreads()
+            for kb in range(K // 32):
+                for n in range(tid, TM * 4, NTH):     # decode: one unit a thread
+                    rr = n // 4
+                    u = n - 4 * rr
+                    base = (rbase + min(r0 + rr, M - 1)) * RB
+                    v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, kb, u, K)
+                    i0, i1 = unit_cols(0, u, split)
+                    ws[rr, i0] = v0
+                    ws[rr, i0 + 1] = v1
+                    ws[rr, i0 + 2] = v2
+                    ws[rr, i0 + 3] = v3
+                    ws[rr, i1] = v4
+                    ws[rr, i1 + 1] = v5
+                    ws[rr, i1 + 2] = v6
+                    ws[rr, i1 + 3] = v7
+                for n in range(tid, TT * 32, NTH):    # x: coalesced 32-float rows
+                    j = n // 32
+                    kk = n - 32 * j
+                    xr = xrow[j]
+                    xs[j, kk] = ld_f32(x, xr * K * 4, 4 * (kb * 32 + kk)) if xr >= 0 else f32(0.0)
+                cuda.syncthreads()
+                for kk in range(32):
+                    for i in range(RM):
+                        a[i] = ws[tr + i * SR, kk]
+                    for j in range(RT):
+                        bj = xs[tc * RT + j, kk]
+                        for i in range(RM):
+                            acc[i * RT + j] += a[i] * bj
+                cuda.syncthreads()
+            for j in range(RT):
+                o = orow[tc * RT + j]
+                if o >= 0:
+                    for i in range(RM):
+                        r = r0 + tr + i * SR
+                        if r < M:
+                            store(out, o, A, r, acc[i * RT + j])
+        return mul_mat_tiled_kernel, NTH
+    return _cached(("tiled", int(qtype), TM, TT, RM, RT, gather), build)
+
+
+# ---------------------------------------------------------------- grouping pairs by expert
+# ids [T, A] -> order [N] (pair indices t * A + a grouped by expert; order within an expert is
+# whatever the atomics gave: each pair's result does not depend on it), tiles int32: tiles[0]
+# the number n of tiles, then n triples (expert, first index into order, pairs <= TT). One block: shared-memory
+# histogram by atomics, offsets and the tile table by thread 0 (E + N / TT steps), scatter.
+
+def _group_kernel():
+    def build():
+        @cuda.jit
+        def group_by_expert_kernel(ids, E, TT, order, tiles):
+            cnt = cuda.shared.array(MAX_E, i32)
+            fill = cuda.shared.array(MAX_E, i32)
+            tid = cuda.threadIdx.x
+            nth = cuda.blockDim.x
+            A = ids.shape[1]
+            N = ids.shape[0] * A
+            for e in range(tid, E, nth):
+                cnt[e] = 0
+            cuda.syncthreads()
+            for p in range(tid, N, nth):
+                t = p // A
+                cuda.atomic.add(cnt, ids[t, p - t * A], 1)
+            cuda.syncthreads()
+            if tid == 0:
+                start = 0
+                k = 0
+                for e in range(E):
+                    fill[e] = start
+                    c = cnt[e]
+                    for f in range(0, c, TT):
+                        tiles[3 * k + 1] = e
+                        tiles[3 * k + 2] = start + f
+                        tiles[3 * k + 3] = min(TT, c - f)
+                        k += 1
+                    start += c
+                tiles[0] = k
+            cuda.syncthreads()
+            for p in range(tid, N, nth):
+                t = p // A
+                slot = cuda.atomic.add(fill, ids[t, p - t * A], 1)
+                order[slot] = p
+        return group_by_expert_kernel
+    return _cached(("group",), build)
+
+
+_scratch = {}
+
+
+def _buffer(name, n, dtype):
+    """A flat device buffer of >= n elements reused across calls (one stream at a time): grown,
+    never shrunk, passed whole (kernels index it; slicing a device array costs host time)."""
+    b = _scratch.get(name)
+    if b is None or b.size < n:
+        b = _scratch[name] = cuda.device_array(max(n, 1), dtype)
+    return b
+
+
+# ---------------------------------------------------------------- dequantize rows
+# out[j, :] = dequant(w[row_j]) with row_j = ids[j] (get_rows) or j (dequantize).
+# Flat grid over (row j, unit n) pairs; a thread decodes one unit and stores its 8 values.
+
+def _rows_kernel(qtype, gather):
+    t_ = qtype_info(qtype)
+    dec, split = t_.dec, t_.split
+
+    def build():
+        @cuda.jit
+        def dequant_rows_kernel(out, w, ids, RB, K):
+            units = (K + 7) // 8
+            idx = cuda.grid(1)
+            j = idx // units
+            if j >= out.shape[0]:
+                return
+            n = idx - j * units
+            base = (ids[j] if gather else j) * RB
+            b = n // 4
+            u = n - 4 * b
+            v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, b, u, K)
+            i0, i1 = unit_cols(b, u, split)
+            out[j, i0] = v0
+            if i0 + 1 < K:     # float types: K need not be a multiple of 8
+                out[j, i0 + 1] = v1
+            if i0 + 2 < K:
+                out[j, i0 + 2] = v2
+            if i0 + 3 < K:
+                out[j, i0 + 3] = v3
+            if i1 < K:
+                out[j, i1] = v4
+            if i1 + 1 < K:
+                out[j, i1 + 1] = v5
+            if i1 + 2 < K:
+                out[j, i1 + 2] = v6
+            if i1 + 3 < K:
+                out[j, i1 + 3] = v7
+        return dequant_rows_kernel
+    return _cached(("rows", int(qtype), gather), build)
+
+
+def _launch_rows(out, w, ids, RB, K, qtype, gather, stream):
+    n = out.shape[0] * ((K + 7) // 8)
+    if n == 0:
+        return
+    kern = _rows_kernel(qtype, gather)
+    kern[(n + ROWS_THREADS - 1) // ROWS_THREADS, ROWS_THREADS, stream](out, w, ids, RB, K)
+
+
+# ---------------------------------------------------------------- launchers
+
+def _int8(qtype, K):
+    return INT8_DOT and qtype_info(qtype).idec is not None and K % 32 == 0
+
+
+def _rb_k(w, qtype):
+    """(row_bytes, K) of weights w [..., row_bytes]."""
+    shape = w.shape
+    rb = shape[len(shape) - 1]           # (the simulator's shapes take no negative index)
+    t = qtype_info(qtype)
+    return rb, rb // t.size * t.block
+
+
+def mul_mat(out, w, x, qtype, stream=0):
+    """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device."""
+    RB, K = _rb_k(w, qtype)
+    T, M = out.shape
+    if T == 0:
+        return
+    if T > MMV_MAX_T and K % 32 == 0:
+        kern, nth = _tiled_kernel(qtype, TILE_M, TILE_T, TILE_RM, TILE_RT, False)
+        d = _buffer("dummy", 4, np.int32)
+        kern[((M + TILE_M - 1) // TILE_M, (T + TILE_T - 1) // TILE_T), nth, stream](
+            out, w, x, RB, K, T, M, d, d, 1, 1)
+        return
+    nt = min(T, MMV_MAX_T)      # float rows of odd length at T > MMV_MAX_T: chunks of tokens
+    grid = ((M + MMV_WARPS - 1) // MMV_WARPS, (T + nt - 1) // nt)
+    if _int8(qtype, K):
+        xq, xds = _quantize_x(x, T, K, stream)
+        _mmv_q8_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, RB, K)
+    else:
+        _mmv_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
+
+
+def mul_mat_id(out, w, x, ids, qtype, stream=0):
+    """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
+    x [T, X, K], ids int32 [T, A] on the device."""
+    RB, K = _rb_k(w, qtype)
+    E, M = w.shape[0], w.shape[1]
+    T, X = x.shape[0], x.shape[1]
+    A = ids.shape[1]
+    N = T * A
+    if N == 0:
+        return
+    if T <= MMV_MAX_T or K % 32 != 0:
+        grid = ((M + MMV_WARPS - 1) // MMV_WARPS, N)
+        if _int8(qtype, K):
+            xq, xds = _quantize_x(x, T * X, K, stream)
+            _mmv_id_q8_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, ids, X, RB, K)
+        else:
+            _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
+        return
+    if E > MAX_E:
+        raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
+    TT = TILE_T_ID
+    max_tiles = N // TT + min(E, N)       # every used expert adds at most one partial tile
+    order = _buffer("order", N, np.int32)
+    tiles = _buffer("tiles", 1 + 3 * max_tiles, np.int32)
+    _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+    kern, nth = _tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
+    kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X)
+
+
+def get_rows(out, w, ids, qtype, stream=0):
+    """out [T, K] = dequant(w[ids[t]]) (embedding lookup); ids int32 [T] on the device."""
+    RB, K = _rb_k(w, qtype)
+    _launch_rows(out, w, ids, RB, K, qtype, True, stream)
+
+
+def dequantize(w, qtype, stream=0):
+    """w [..., row_bytes] on the device -> a new float32 device array [..., K]."""
+    RB, K = _rb_k(w, qtype)
+    shape = tuple(w.shape)
+    R = int(np.prod(shape[:-1]))
+    out = cuda.device_array((R, K), np.float32)
+    _launch_rows(out, w, _buffer("dummy", 4, np.int32), RB, K, qtype, False, stream)
+    return out.reshape(shape[:-1] + (K,))
+
+
+# ---------------------------------------------------------------- benchmark
+# python -m nbmoe.cuda.matmul: T=1 GB/s (weight bytes read, active experts only) next to a
+# device-to-device copy measured in the same run, and prompt GFLOP/s. Weights are cycled
+# through copies larger than the L2, so every matrix-vector call reads from memory.
+
+def _time_ms(fn, n):
+    """Median time of fn(i) in ms over n calls, by CUDA events around each call (after a warm-up)."""
+    fn(0)
+    cuda.synchronize()
+    times = []
+    for i in range(n):
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record()
+        fn(i)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return float(np.median(times))
+
+
+def main(argv=None):
+    import argparse
+    import time
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    global MMV_WARPS
+    p = argparse.ArgumentParser(description="CUDA mul_mat benchmark. Example: --types Q4_0,Q8_0")
+    p.add_argument("--types", default="F16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1", help="comma-separated GGUF types")
+    p.add_argument("--shapes", default="131072x4096,16384x16384", help="MxK list for T=1, 4 (large: device-bound)")
+    p.add_argument("--gemm", default="4096x4096", help="MxK list for T=512")
+    p.add_argument("--moe", default="64x8x8192x4096,128x8x768x2048", help="ExAxMxK list for mul_mat_id")
+    p.add_argument("--mmv-warps", default=str(MMV_WARPS), help="MMV_WARPS values to try")
+    p.add_argument("-n", type=int, default=10, help="calls per timing")
+    p.add_argument("--copy-mb", type=int, default=1024, help="size of the bandwidth reference copy")
+    a = p.parse_args(argv)
+    big = cuda.device_array(a.copy_mb << 18, np.float32)
+    big2 = cuda.device_array(a.copy_mb << 18, np.float32)
+    ms = _time_ms(lambda i: big2.copy_to_device(big), 5)
+    bw = 2 * big.nbytes / ms / 1e6
+    big = big2 = None  # free the 2 GB
+    print(f"device copy {bw:.0f} GB/s (read + write)")
+    rng = np.random.default_rng(0)
+
+    def weights(shape, qt):
+        wf = rng.standard_normal((min(shape[-2], 4096),) + shape[-1:], dtype=np.float32)
+        w = np.ascontiguousarray(quantize(wf, qt).view(np.uint8))       # tiled up: quantizing is slow
+        reps = int(np.prod(shape[:-1])) // w.shape[0]
+        return np.tile(w, (reps, 1)).reshape(shape[:-1] + (-1,))
+
+    def per_call(fn, n):
+        """ms per call of n back-to-back calls (device time once it exceeds the launch cost)."""
+        return _time_ms(lambda i: [fn(j) for j in range(n)], 3) / n
+
+    x1 = cuda.to_device(np.ones((1, 64), np.float32))
+    o1 = cuda.device_array((1, 64), np.float32)
+    w1 = cuda.to_device(weights((64, 64), 2))
+    mul_mat(o1, w1, x1, 2)
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100 * a.n):
+        mul_mat(o1, w1, x1, 2)
+    cuda.synchronize()
+    print(f"host time of one mul_mat launch: {(time.perf_counter() - t0) * 1e4 / a.n:.1f} us")
+    for name in a.types.split(","):
+        qt = int(GGMLQuantizationType[name])
+        for shape in a.shapes.split(","):
+            M, K = (int(v) for v in shape.split("x"))
+            dw = cuda.to_device(weights((M, K), qt))
+            nbytes = dw.nbytes
+            for T in (1, 4):
+                x = cuda.to_device(rng.standard_normal((T, K), dtype=np.float32))
+                out = cuda.device_array((T, M), np.float32)
+                for warps in (int(v) for v in a.mmv_warps.split(",")):
+                    MMV_WARPS = warps
+                    t = per_call(lambda i: mul_mat(out, dw, x, qt), a.n)
+                    gbs = nbytes / t / 1e6
+                    print(f"  {name:5s} T={T} warps={warps} {M:6d}x{K:<5d} {t * 1e3:8.1f} us {gbs:6.0f} GB/s"
+                          f"  ({gbs / bw:.2f} of copy)")
+            dw = None
+        for shape in a.gemm.split(","):
+            M, K = (int(v) for v in shape.split("x"))
+            dw = cuda.to_device(weights((M, K), qt))
+            x = cuda.to_device(rng.standard_normal((512, K), dtype=np.float32))
+            out = cuda.device_array((512, M), np.float32)
+            t = per_call(lambda i: mul_mat(out, dw, x, qt), 3)
+            print(f"  {name:5s} T=512 {M:6d}x{K:<5d} {t * 1e3:8.1f} us {2 * 512 * M * K / t / 1e9:6.1f} TFLOP/s")
+        for case in a.moe.split(","):
+            E, A, M, K = (int(v) for v in case.split("x"))
+            dw = cuda.to_device(weights((E, M, K), qt))
+            for T in (1, 512):
+                ids = np.stack([rng.choice(E, A, replace=False) for _ in range(T)]).astype(np.int32)
+                x = cuda.to_device(rng.standard_normal((T, 1, K), dtype=np.float32))
+                out = cuda.device_array((T, A, M), np.float32)
+                dids = cuda.to_device(ids)
+                t = per_call(lambda i: mul_mat_id(out, dw, x, dids, qt), a.n if T == 1 else 3)
+                gbs = len(np.unique(ids)) * dw.nbytes / E / t / 1e6
+                print(f"  {name:5s} id T={T:<3d} E{E} A{A} {M}x{K} {t * 1e3:8.1f} us {gbs:6.0f} GB/s of used"
+                      f" experts {2 * T * A * M * K / t / 1e9:6.1f} TFLOP/s")
+            dw = None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Element-wise and row-wise ops of a transformer layer on the GPU: norms, rope, activations, adds.
+
+Letters: T tokens in the micro-batch, D model dim, H heads, Dh head dim, N rows, F FFN width.
+All activations are float32 device arrays (C-contiguous unless said); one launch per op, on
+the given stream. Same math and argument order as nbmoe/cpu/ops.py.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from . import SIM, device_fn, expf, warp_sum
+
+f32 = np.float32
+
+# Threads of element-wise kernels.
+THREADS = 256
+# Threads per row of rms_norm at most (a row of n values gets ~n / 8 threads, rounded to warps).
+NORM_THREADS = 256
+
+
+def _blocks(n, threads):
+    return (n + threads - 1) // threads
+
+
+# ---------------------------------------------------------------- rms_norm
+# out[N, n] = x / sqrt(mean(x^2) + eps) * w, row by row: [T, D] with w [D], or [T, H, Dh] with
+# w [Dh] (QK-norm). One block per row: each thread sums squares over a strided slice, warps
+# reduce by shuffles, then every thread adds the warps' sums in order (deterministic).
+# out may be x: each thread rereads and rewrites only its own elements.
+
+def _block_sum(v, sh):
+    """Sum of v over the block (blockDim.x a multiple of 32), in every thread; sh: shared [32]."""
+    v = warp_sum(v)
+    tid = cuda.threadIdx.x
+    if tid % 32 == 0:
+        sh[tid // 32] = v
+    cuda.syncthreads()
+    tot = f32(0.0)
+    for i in range(cuda.blockDim.x // 32):
+        tot += sh[i]
+    return tot
+
+
+_block_sum = cuda.jit(device=True)(_block_sum) if SIM else cuda.jit(device=True, forceinline=True)(_block_sum)
+
+
+@cuda.jit
+def rms_norm_kernel(out, x, w, eps):
+    sh = cuda.shared.array(32, f32)
+    r = cuda.blockIdx.x
+    n = x.shape[1]
+    ss = f32(0.0)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        v = x[r, i]
+        ss += v * v
+    ss = _block_sum(ss, sh)
+    scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        out[r, i] = x[r, i] * scale * w[i]
+
+
+def rms_norm(out, x, w, eps, stream=0):
+    """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x."""
+    n = w.shape[0]
+    x2 = x.reshape(x.size // n, n)
+    o2 = out.reshape(out.size // n, n)
+    warps = min(NORM_THREADS // 32, max(1, (n + 255) // 256))
+    if x2.shape[0]:
+        rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps))
+
+
+# ---------------------------------------------------------------- add, scale
+# out = a + b, out = x * s element-wise over flat arrays; out may alias an input.
+
+@cuda.jit
+def add_kernel(out, a, b):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = a[i] + b[i]
+
+
+@cuda.jit
+def scale_kernel(out, x, s):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = x[i] * s
+
+
+def add(out, a, b, stream=0):
+    """out = a + b element-wise (same shapes, C-contiguous); out may alias a or b."""
+    n = out.size
+    if n:
+        add_kernel[_blocks(n, THREADS), THREADS, stream](out.reshape(n), a.reshape(n), b.reshape(n))
+
+
+def scale(out, x, s, stream=0):
+    """out = x * s element-wise (C-contiguous); out may alias x."""
+    n = out.size
+    if n:
+        scale_kernel[_blocks(n, THREADS), THREADS, stream](out.reshape(n), x.reshape(n), f32(s))
+
+
+# ---------------------------------------------------------------- rope
+# x[T, H, Dh] in place; pos[T] int32. Pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with
+#   theta_i = pos * freq_scale * freq_base^(-2i / n_rot),  i < n_rot / 2,
+# normal mode pairs dims (2i, 2i+1), NeoX mode (i, i + n_rot/2). The angle, cos and sin in
+# float64 (positions reach 1e5, where a float32 angle is off by ~1e-2 rad), as on the CPU.
+# One thread per (token, head, pair).
+
+@cuda.jit
+def rope_kernel(x, pos, n_rot, freq_base, neox, freq_scale):
+    half = n_rot // 2
+    H = x.shape[1]
+    idx = cuda.grid(1)
+    if idx >= x.shape[0] * H * half:
+        return
+    t = idx // (H * half)
+    rem = idx - t * H * half
+    h = rem // half
+    i = rem - h * half
+    theta = float(pos[t]) * (freq_scale * math.pow(freq_base, -2.0 * i / n_rot))
+    c = f32(math.cos(theta))
+    s = f32(math.sin(theta))
+    if neox:
+        i0 = i
+        i1 = i + half
+    else:
+        i0 = 2 * i
+        i1 = 2 * i + 1
+    x0 = x[t, h, i0]
+    x1 = x[t, h, i1]
+    x[t, h, i0] = x0 * c - x1 * s
+    x[t, h, i1] = x0 * s + x1 * c
+
+
+def rope(x, pos, n_rot, freq_base, neox, freq_scale=1.0, stream=0):
+    """Rotate the first n_rot dims of each head of x [T, H, Dh] in place (pos [T] int32)."""
+    n = x.shape[0] * x.shape[1] * (n_rot // 2)
+    if n:
+        rope_kernel[_blocks(n, THREADS), THREADS, stream](
+            x, pos, int(n_rot), float(freq_base), bool(neox), float(freq_scale))
+
+
+# ---------------------------------------------------------------- swiglu, geglu
+# out[N, F] = act(gate) * up; gate / up may be row-strided views (halves of a fused [N, 2F]).
+#   silu(g)      = g / (1 + exp(-g))
+#   gelu_tanh(g) = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))
+# out may alias gate or up. One thread per element.
+
+_GELU_K = f32(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_C = f32(0.044715)
+
+
+@device_fn
+def _silu(g):
+    return g / (f32(1.0) + expf(-g))
+
+
+@device_fn
+def _gelu(g):
+    return g / (f32(1.0) + expf(-(_GELU_K * (g + _GELU_C * g * g * g))))
+
+
+@cuda.jit
+def swiglu_kernel(out, gate, up):
+    F = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * F:
+        r = idx // F
+        c = idx - r * F
+        out[r, c] = _silu(gate[r, c]) * up[r, c]
+
+
+@cuda.jit
+def geglu_kernel(out, gate, up):
+    F = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * F:
+        r = idx // F
+        c = idx - r * F
+        out[r, c] = _gelu(gate[r, c]) * up[r, c]
+
+
+def swiglu(out, gate, up, stream=0):
+    """out[N, F] = silu(gate) * up; out may alias gate or up."""
+    n = out.size
+    if n:
+        swiglu_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+
+
+def geglu(out, gate, up, stream=0):
+    """out[N, F] = gelu_tanh(gate) * up (gemma); out may alias gate or up."""
+    n = out.size
+    if n:
+        geglu_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)

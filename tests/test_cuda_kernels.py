@@ -1,0 +1,406 @@
+"""CUDA kernels (nbmoe/cuda) vs the float64 references: gguf-py's dequantize + NumPy, tests/naive.py.
+
+Runs under Numba's CUDA simulator when no GPU is asked for (NBMOE_REAL_GPU=1 runs it on the
+GPU). The simulator runs every CUDA thread as a Python thread, so shapes are tiny and odd, and
+the block / tile sizes are patched small so that multi-block and partial-tile paths run.
+Letters as in the kernels: T tokens, M rows, K values per row, E experts, A chosen, X input rows
+per token, H / Hkv heads, Dh head dim. Every output is poisoned with NaN before the launch.
+Run with -s to see the table of max relative errors at the end.
+"""
+import os
+import sys
+
+if os.environ.get("NBMOE_REAL_GPU") != "1" and "NUMBA_ENABLE_CUDASIM" not in os.environ:
+    if "numba" in sys.modules:
+        # numba read its environment at import (conftest imports it first), and setting a
+        # NUMBA_ variable now would make its next compile re-read them all, undoing settings
+        # made in code (nbmoe sets SLP_VECTORIZE): set the flag numba.cuda reads instead.
+        import numba.core.config
+        numba.core.config.ENABLE_CUDASIM = 1
+    else:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+try:
+    import nbmoe.cuda as nbcuda  # applies the numpy shim before numba.cuda is imported
+    from numba import cuda
+except ImportError as e:  # numba-cuda or its CUDA bindings not installed
+    pytest.skip(f"numba.cuda is not importable: {e}", allow_module_level=True)
+if not nbcuda.is_available():
+    pytest.skip("no CUDA GPU (and the simulator was not selected before numba.cuda was imported)",
+                allow_module_level=True)
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+import naive  # noqa: E402
+from nbmoe.cuda import attention as att  # noqa: E402
+from nbmoe.cuda import matmul, moe, ops  # noqa: E402
+
+# numpy's overflow / invalid-cast warnings from the simulated kernels (inf and NaN inputs on purpose)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+RTOL = 1e-5
+RTOL_X8 = 1.5e-2   # the int8 path vs the exact product: x's 8-bit rounding
+ERRORS = {}   # test case -> max relative error, printed at the end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _simulator_speed():
+    """The simulator's block manager polls its threads in a busy loop: a short GIL switch
+    interval lets the simulated threads run (several times faster on 2 cores)."""
+    old = sys.getswitchinterval()
+    if nbcuda.SIM:
+        sys.setswitchinterval(5e-6)
+    yield
+    sys.setswitchinterval(old)
+    if ERRORS:
+        print("\nmax relative errors (CUDA %s):" % ("simulator" if nbcuda.SIM else "GPU"))
+        for k, v in sorted(ERRORS.items()):
+            print(f"  {k:40s} {v:.2e}")
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """Block and tile sizes small enough for multi-block and partial-tile paths at tiny shapes."""
+    monkeypatch.setattr(matmul, "MMV_WARPS", 2)
+    monkeypatch.setattr(matmul, "TILE_M", 16)
+    monkeypatch.setattr(matmul, "TILE_T", 8)
+    monkeypatch.setattr(matmul, "TILE_T_ID", 4)
+    monkeypatch.setattr(matmul, "TILE_RM", 2)
+    monkeypatch.setattr(matmul, "TILE_RT", 2)
+    monkeypatch.setattr(matmul, "ROWS_THREADS", 32)
+    monkeypatch.setattr(ops, "THREADS", 64)
+    monkeypatch.setattr(ops, "NORM_THREADS", 64)
+    monkeypatch.setattr(att, "HEADS_PER_BLOCK", 3)
+    monkeypatch.setattr(moe, "ROUTE_WARPS", 2)
+    monkeypatch.setattr(moe, "THREADS", 64)
+
+
+def rnd(*shape, seed=0, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def poisoned(shape, dtype=np.float32):
+    return cuda.to_device(np.full(shape, np.nan if dtype == np.float32 else -7, dtype))
+
+
+def check(name, got, ref, rtol=RTOL):
+    """Record and assert the largest error relative to the largest reference magnitude."""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), f"{name}: NaN (unwritten output?)"
+    err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+    ERRORS[name] = max(err, ERRORS.get(name, 0.0))
+    assert err < rtol, f"{name}: max relative error {err:.2e}"
+
+
+def quantize(wf, name):
+    """float32 [..., K] -> uint8 [..., row_bytes] in GGUF type `name`, and its float64 values."""
+    w = np.ascontiguousarray(gguf_quantize(wf, Q[name]).view(np.uint8))
+    ref = gguf_dequantize(w, Q[name]).reshape(wf.shape).astype(np.float64)
+    return w, ref
+
+
+# ---------------------------------------------------------------- dequantize, get_rows
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_get_rows(name, small):
+    K = 61 if name in ("F32", "F16", "BF16") else 64       # float rows need not hold whole units
+    w, ref = quantize(rnd(13, K, seed=1), name)
+    dw = dev(w)
+    got = matmul.dequantize(dw, int(Q[name])).copy_to_host()
+    assert np.array_equal(got, ref.astype(np.float32)), name   # exact decode
+    w3 = dev(w.reshape(1, 13, -1))                             # [E, M, row_bytes] keeps its shape
+    assert matmul.dequantize(w3, int(Q[name])).shape == (1, 13, K)
+    ids = np.array([12, 0, 5, 5], np.int32)
+    out = poisoned((4, K))
+    matmul.get_rows(out, dw, dev(ids), int(Q[name]))
+    assert np.array_equal(out.copy_to_host(), ref[ids].astype(np.float32))
+
+
+# ---------------------------------------------------------------- mul_mat
+
+def x_rounded(x):
+    """x [..., K] as the int8 path sees it: each 32-block's codes rint(x / d) times d = max|x| / 127."""
+    xb = x.reshape(-1, 32)
+    d = (np.abs(xb).max(axis=1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(xb * inv[:, None]) * d[:, None].astype(np.float64)).reshape(x.shape)
+
+
+def check_x8(name, got, x, ref_of, int8):
+    """The int8 path: tight against the product with x rounded as it rounds x, loose against the
+    exact product (x's 8-bit rounding); the float path: tight against the exact product."""
+    if int8:
+        check(name + " int8", got, ref_of(x_rounded(x)))
+        check(name + " int8 vs exact", got, ref_of(x), rtol=RTOL_X8)
+    else:
+        check(name, got, ref_of(x))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("int8", [True, False])
+def test_mul_mat_vec(name, T, int8, small, monkeypatch):
+    if int8 and name in ("F32", "F16", "BF16"):
+        pytest.skip("float types have no int8 path")
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    M, K = 13, 64
+    w, wref = quantize(rnd(M, K, seed=2), name)
+    x = rnd(T, K, seed=3)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check_x8(f"mul_mat vec {name} T={T}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, int8)
+
+
+def test_quantize_x_nan(small):
+    """A NaN in x makes its block's scale NaN: the outputs it touches are NaN, as on the CPU."""
+    M, K = 5, 64
+    w, wref = quantize(rnd(M, K, seed=2), "Q4_0")
+    x = rnd(1, K, seed=3)
+    x[0, 40] = np.nan
+    out = poisoned((1, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q["Q4_0"]))
+    assert np.isnan(out.copy_to_host()).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_mul_mat_tiled(name, small, monkeypatch):
+    """T = 11 tokens, tiles of 16 rows x 8 tokens: partial row and token tiles, 2 k-steps."""
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    M, K, T = 37, 64, 11
+    w, wref = quantize(rnd(M, K, seed=4), name)
+    x = rnd(T, K, seed=5)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check(f"mul_mat tiled {name}", out.copy_to_host(), x @ wref.T)
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_mul_mat_float_odd_K(name, small, monkeypatch):
+    """Float rows of K = 61 values: the matrix-vector kernel at T = 1, and in token chunks at T = 5."""
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    M, K = 9, 61
+    w, wref = quantize(rnd(M, K, seed=6), name)
+    for T in (1, 5):
+        x = rnd(T, K, seed=7 + T)
+        out = poisoned((T, M))
+        matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+        check(f"mul_mat odd K {name}", out.copy_to_host(), x @ wref.T)
+
+
+# ---------------------------------------------------------------- mul_mat_id
+
+def _mul_mat_id_ref(wref, x, ids):
+    T, A = ids.shape
+    X = x.shape[1]
+    return np.stack([np.stack([wref[ids[t, a]] @ x[t, a if X == A else 0] for a in range(A)])
+                     for t in range(T)])
+
+
+@pytest.mark.parametrize("name,int8", [("F16", False), ("Q8_0", True), ("Q4_0", True), ("Q5_1", True),
+                                       ("Q4_1", False)])
+@pytest.mark.parametrize("X", [1, 2])
+def test_mul_mat_id_vec(name, int8, X, small, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    E, M, K, A, T = 5, 11, 64, 2, 2
+    w, wref = quantize(rnd(E, M, K, seed=8), name)
+    x = rnd(T, X, K, seed=9)
+    ids = np.array([[3, 0], [0, 4]], np.int32)
+    out = poisoned((T, A, M))
+    matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
+    check_x8(f"mul_mat_id vec {name}", out.copy_to_host(), x, lambda x_: _mul_mat_id_ref(wref, x_, ids), int8)
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("X", [1, 2])
+def test_mul_mat_id_grouped(name, X, small, monkeypatch):
+    """T = 7 tokens, A = 2: expert 1 gets 7 pairs (two tiles of 4), expert 3 none, the rest a few."""
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    E, M, K, A, T = 5, 19, 64, 2, 7
+    w, wref = quantize(rnd(E, M, K, seed=10), name)
+    x = rnd(T, X, K, seed=11)
+    ids = np.array([[1, 0], [2, 1], [1, 4], [0, 1], [1, 2], [4, 1], [1, 0]], np.int32)
+    out = poisoned((T, A, M))
+    matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
+    check(f"mul_mat_id grouped {name}", out.copy_to_host(), _mul_mat_id_ref(wref, x, ids))
+
+
+# ---------------------------------------------------------------- rms_norm, add, scale
+
+@pytest.mark.parametrize("T,D", [(1, 67), (3, 300)])
+def test_rms_norm(T, D, small):
+    x, w = rnd(T, D, seed=T, scale=3.0), rnd(D, seed=99)
+    out = poisoned((T, D))
+    ops.rms_norm(out, dev(x), dev(w), 1e-6)
+    check("rms_norm", out.copy_to_host(), naive.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_per_head_in_place(small):
+    """QK-norm: x [T, H, Dh] normed head by head with w [Dh], in place."""
+    x, w = rnd(3, 2, 40, seed=4), rnd(40, seed=1)
+    dx = dev(x)
+    ops.rms_norm(dx, dx, dev(w), 1e-5)
+    check("rms_norm per head, in place", dx.copy_to_host(), naive.rms_norm(x, w, 1e-5))
+
+
+def test_add_scale(small):
+    a, b = rnd(3, 67, seed=1), rnd(3, 67, seed=2)
+    da, db = dev(a), dev(b)
+    out = poisoned(a.shape)
+    ops.add(out, da, db)
+    assert np.array_equal(out.copy_to_host(), a + b)
+    ops.add(da, da, db)                    # in place
+    assert np.array_equal(da.copy_to_host(), a + b)
+    ops.scale(out, db, 0.37)
+    assert np.array_equal(out.copy_to_host(), b * np.float32(0.37))
+
+
+# ---------------------------------------------------------------- rope
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("Dh,n_rot", [(16, 16), (40, 24)])
+def test_rope(neox, Dh, n_rot, small):
+    T, H = 3, 3
+    x = rnd(T, H, Dh, seed=Dh)
+    pos = (np.arange(T) * 3001 + 1234).astype(np.int32)   # up to ~1e4: angles need float64
+    dx = dev(x)
+    ops.rope(dx, dev(pos), n_rot, 10000.0, neox, 0.5)
+    y = dx.copy_to_host()
+    check("rope", y, naive.rope(x, pos, n_rot, 10000.0, neox, 0.5))
+    assert np.array_equal(y[..., n_rot:], x[..., n_rot:])  # dims past n_rot untouched
+
+
+# ---------------------------------------------------------------- swiglu, geglu
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+def test_glu(act, small):
+    N, F = 3, 45
+    gate, up = rnd(N, F, seed=N, scale=4.0), rnd(N, F, seed=N + 1)
+    gate[0, :4] = [-100.0, 100.0, -1e4, 1e4]
+    ref = getattr(naive, act)(gate, up)
+    out = poisoned((N, F))
+    getattr(ops, act)(out, dev(gate), dev(up))
+    check(act, out.copy_to_host(), ref)
+    gu = dev(np.concatenate([gate, up], axis=1))        # strided halves of a fused [N, 2F]
+    out = poisoned((N, F))
+    getattr(ops, act)(out, gu[:, :F], gu[:, F:])
+    check(act + " strided", out.copy_to_host(), ref)
+
+
+# ---------------------------------------------------------------- KV cache + attention
+
+def _attn_case(T, H, Hkv, Dh, pos0, C, seed=0):
+    """A device cache holding pos0 earlier positions plus the batch's k, v (stored by store_kv)."""
+    kc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
+    vc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
+    k_old, v_old = rnd(pos0, Hkv, Dh, seed=seed), rnd(pos0, Hkv, Dh, seed=seed + 1)
+    if pos0:
+        att.store_kv(kc, vc, dev(k_old), dev(v_old), 0)
+    q = rnd(T, H, Dh, seed=seed + 2, scale=2.0)
+    k, v = rnd(T, Hkv, Dh, seed=seed + 3), rnd(T, Hkv, Dh, seed=seed + 4)
+    att.store_kv(kc, vc, dev(k), dev(v), pos0)
+    k_all = naive.f16_round(np.concatenate([k_old, k]))
+    v_all = naive.f16_round(np.concatenate([v_old, v]))
+    return q, kc, vc, k_all, v_all
+
+
+def test_store_kv_rounds_to_nearest_f16(small):
+    k = rnd(3, 2, 20, seed=5, scale=100.0)
+    k[0, 0, :4] = [1e6, -1e-9, np.float32(1 + 2 ** -11), 3e-6]  # inf, tiny, a tie -> even, subnormal
+    kc, vc = cuda.to_device(np.zeros((9, 2, 20), np.uint16)), cuda.to_device(np.zeros((9, 2, 20), np.uint16))
+    att.store_kv(kc, vc, dev(k), dev(-k), 4)
+    with np.errstate(over="ignore"):
+        k16 = k.astype(np.float16)
+    kh, vh = kc.copy_to_host(), vc.copy_to_host()
+    assert np.array_equal(kh[4:7], k16.view(np.uint16))
+    assert np.array_equal(vh[4:7], (-k16).view(np.uint16))
+    assert not kh[:4].any() and not kh[7:].any()
+    with pytest.raises(ValueError):
+        att.store_kv(kc, vc, dev(k), dev(k), 7)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("T,Dh", [(3, 40), (1, 16)])
+def test_attention(T, Dh, window, small):
+    """GQA (4 query heads on 2 kv heads, 3 heads a block: the last block half empty), Dh = 40:
+    lanes past Dh idle in the second 32-dim slice."""
+    H, Hkv, pos0 = 4, 2, 6
+    q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, C=12, seed=T * Dh)
+    scale = 1.0 / np.sqrt(Dh)
+    ref = naive.attention(q, k_all, v_all, pos0, scale, window)
+    out = poisoned(q.shape)
+    att.attention(out, dev(q), kc, vc, pos0, scale, window)
+    check("attention", out.copy_to_host(), ref)
+    dq = dev(q)
+    att.attention(dq, dq, kc, vc, pos0, scale, window)     # in place: out aliases q
+    check("attention in place", dq.copy_to_host(), ref)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_attention_split(window, small, monkeypatch):
+    """T = 1 over 21 cached keys in spans of 4: five splits merged (the last one short)."""
+    monkeypatch.setattr(att, "SPLIT_KEYS", 4)
+    H, Hkv, Dh, pos0 = 2, 1, 32, 20
+    q, kc, vc, k_all, v_all = _attn_case(1, H, Hkv, Dh, pos0, C=24, seed=3)
+    q *= 3  # peaked softmax, so the span maxima differ
+    ref = naive.attention(q, k_all, v_all, pos0, 0.125, window)
+    out = poisoned(q.shape)
+    att.attention(out, dev(q), kc, vc, pos0, 0.125, window)
+    check("attention split", out.copy_to_host(), ref)
+
+
+def test_attention_first_token_is_v(small):
+    """At position 0 a token sees only itself: out = v (as stored in f16)."""
+    q, kc, vc, k_all, v_all = _attn_case(1, 2, 1, 16, 0, C=4)
+    out = poisoned(q.shape)
+    att.attention(out, dev(q), kc, vc, 0, 0.25)
+    assert np.array_equal(out.copy_to_host()[0], np.repeat(v_all[0], 2, axis=0).astype(np.float32))
+
+
+# ---------------------------------------------------------------- MoE routing and combine
+
+def test_topk_route_by_hand(small):
+    """A router that prefers experts 0 and 2: logits [2, 0, 2 - ln 3, -1] for token 0."""
+    logits = np.array([[2.0, 0.0, 2.0 - np.log(3.0), -1.0],
+                       [0.0, 5.0, 0.0, 5.0]], np.float32)   # token 1: ties at 5 and at 0
+    ids, w = poisoned((2, 2), np.int32), poisoned((2, 2))
+    moe.topk_route(ids, w, dev(logits), True)
+    assert ids.copy_to_host().tolist() == [[0, 2], [1, 3]]
+    np.testing.assert_allclose(w.copy_to_host(), [[0.75, 0.25], [0.5, 0.5]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("gating,norm", [(0, False), (0, True), (1, True), (2, False)])
+def test_topk_route(gating, norm, small):
+    """E = 40 (two logits a lane), A = 3, 5 tokens (a partial block); a NaN and -inf logits."""
+    T, E, A = 5, 40, 3
+    logits = rnd(T, E, seed=gating, scale=2.0)
+    logits[1, 7] = np.nan
+    logits[2, :] = -np.inf
+    logits[2, [5, 33]] = [1.0, 0.5]       # token 2: two finite logits, the third pick is -inf
+    logits[3, 36] = logits[3, 4] = 9.0    # a tie across lanes: the lower index first
+    ids, w = poisoned((T, A), np.int32), poisoned((T, A))
+    moe.topk_route(ids, w, dev(logits), norm, gating)
+    clean = np.where(np.isnan(logits), -np.inf, logits)
+    ref_ids, ref_w = naive.topk_route(clean, A, norm, gating)
+    assert np.array_equal(ids.copy_to_host(), ref_ids)
+    rows = [0, 3, 4]   # rows with NaN / -inf logits follow the CPU's NaN propagation, not checked
+    check(f"topk_route gating={gating}", w.copy_to_host()[rows], ref_w[rows])
+
+
+def test_moe_combine(small):
+    T, A, D = 3, 2, 67
+    y, wts = rnd(T, A, D, seed=1), rnd(T, A, seed=2)
+    out = poisoned((T, D))
+    moe.moe_combine(out, dev(y), dev(wts))
+    check("moe_combine", out.copy_to_host(), naive.moe_combine(y, wts))
