@@ -87,7 +87,7 @@ def test_sizes_and_dequantize(name):
 
 
 def test_unsupported():
-    assert not matmul.is_supported(int(Q.Q4_K))
+    assert not matmul.is_supported(int(Q.TQ1_0))
 
 
 @pytest.mark.parametrize("name", TYPES)

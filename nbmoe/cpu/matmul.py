@@ -281,9 +281,29 @@ def _best_time(fn, n):
     return best
 
 
+def _walk_time(fn, n, reps=2):
+    """Seconds per call of fn(0..n-1), each call on other weight copies: the best of `reps`
+    timed walks over all of them, after one untimed walk. A walk reads more than the L3 holds,
+    so every call reads from memory (the min over single calls picked the calls whose copies
+    were still in the L3 from being written, reading up to 1.6x the streaming rate)."""
+    import time
+    for i in range(n):
+        fn(i)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
 def _weights(rng, qtype, M, K):
     from gguf.quants import quantize
-    w = np.ascontiguousarray(quantize(rng.standard_normal((M, K), dtype=np.float32), qtype).view(np.uint8))
+    try:
+        w = np.ascontiguousarray(quantize(rng.standard_normal((M, K), dtype=np.float32), qtype).view(np.uint8))
+    except NotImplementedError:  # gguf-py cannot make it: random bytes time alike (below 64:
+        w = rng.integers(0, 64, (M, row_size(qtype, K)), dtype=np.uint8)  # every f16 finite)
     w.flags.writeable = False
     return w
 
@@ -295,9 +315,12 @@ def main(argv=None):
     from gguf import GGMLQuantizationType
     p = argparse.ArgumentParser(description="mul_mat benchmark. Example: -t 2 --types Q4_1,Q8_0")
     p.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS, help="Numba threads")
-    p.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1", help="comma-separated GGUF types")
+    p.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M,"
+                   "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,MXFP4", help="comma-separated GGUF types")
     p.add_argument("--shapes", default="4096x4096,1536x576,49152x576", help="MxK list for T=1")
     p.add_argument("--gemm", default="1536x576", help="MxK list for T=512")
+    p.add_argument("--moe", default="128x2048x768", help="ExMxK list for mul_mat_id, T=1, 8 experts")
+    p.add_argument("--copy-mb", type=float, default=400, help="MB of weight copies walked through (several L3s)")
     a = p.parse_args(argv)
     numba.set_num_threads(a.threads)
     big = np.ones(1 << 28, np.float32)
@@ -309,25 +332,47 @@ def main(argv=None):
         qt = int(GGMLQuantizationType[name])
         for shape in a.shapes.split(","):
             M, K = (int(v) for v in shape.split("x"))
+            if K % TYPES[qt][0]:
+                continue  # rows of 576 do not hold 256-value super-blocks
             ws = [_weights(rng, qt, M, K)]
-            ws += [ws[0].copy() for _ in range(int(100e6 // ws[0].nbytes))]
+            ws += [ws[0].copy() for _ in range(int(a.copy_mb * 1e6 // ws[0].nbytes))]
             for w in ws:
                 w.flags.writeable = False  # as the mmap'd GGUF views: the same compiled kernels
             x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
-            row = f"  {name:5s} T=1   {M:6d}x{K:<5d}"
+            row = f"  {name:7s} T=1   {M:6d}x{K:<5d}"
             for int8 in ((True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)):
-                _mul_mat_vec(out, ws[0], x, qt, int8)
-                t = _best_time(lambda i: _mul_mat_vec(out, ws[i % len(ws)], x, qt, int8), 30)
+                t = _walk_time(lambda i: _mul_mat_vec(out, ws[i], x, qt, int8), len(ws))
                 gbs = ws[0].nbytes / t / 1e9
                 row += f"  {'int8' if int8 else 'float'} {t * 1e3:7.3f} ms {gbs:5.1f} GB/s ({gbs / bw:.2f})"
             print(row)
         for shape in a.gemm.split(","):
             M, K = (int(v) for v in shape.split("x"))
+            if K % TYPES[qt][0]:
+                continue
             w = _weights(rng, qt, M, K)
             x, out = rng.standard_normal((512, K), dtype=np.float32), np.empty((512, M), np.float32)
             mul_mat(out, w, x, qt)
             t = _best_time(lambda i: mul_mat(out, w, x, qt), 5)
-            print(f"  {name:5s} T=512 {M:6d}x{K:<5d} {t * 1e3:8.3f} ms {2 * 512 * M * K / t / 1e9:6.1f} GFLOP/s")
+            print(f"  {name:7s} T=512 {M:6d}x{K:<5d} {t * 1e3:8.3f} ms {2 * 512 * M * K / t / 1e9:6.1f} GFLOP/s")
+        for shape in a.moe.split(","):  # one token's 8 experts; calls walk through all E experts
+            E, M, K = (int(v) for v in shape.split("x"))
+            if K % TYPES[qt][0]:
+                continue
+            w1 = _weights(rng, qt, M, K)
+            ws = [np.ascontiguousarray(np.broadcast_to(w1, (E,) + w1.shape))]
+            ws += [ws[0].copy() for _ in range(int(a.copy_mb * 1e6 // ws[0].nbytes))]
+            for w in ws:
+                w.flags.writeable = False
+            x, out = rng.standard_normal((1, 8, K), dtype=np.float32), np.empty((1, 8, M), np.float32)
+            ids = [np.arange(8 * i, 8 * i + 8, dtype=np.int32).reshape(1, 8) % E for i in range(E // 8)]
+            row = f"  {name:7s} T=1 A=8 {E}x{M}x{K}"
+            for int8 in ((True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)):
+                def call(i):
+                    _mul_mat_id_vec(out, ws[i // len(ids) % len(ws)], x, ids[i % len(ids)], qt, 9, int8)
+                t = _walk_time(call, len(ids) * len(ws))
+                gbs = 8 * w1.nbytes / t / 1e9
+                row += f"  {'int8' if int8 else 'float'} {t * 1e3:7.3f} ms {gbs:5.1f} GB/s ({gbs / bw:.2f})"
+            print(row)
 
 
 if __name__ == "__main__":

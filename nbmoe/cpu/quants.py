@@ -58,6 +58,13 @@ Q5_1 = int(GGMLQuantizationType.Q5_1)
 
 # qtype -> (values per block, bytes per block), for the types these kernels decode.
 TYPES = {t: GGML_QUANT_SIZES[GGMLQuantizationType(t)] for t in (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}
+# The grid IQ types, decoded in quants_iq.py (imported at the bottom: it uses the helpers here).
+IQ_TYPES = tuple(int(GGMLQuantizationType[n]) for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"))
+TYPES.update({t: GGML_QUANT_SIZES[GGMLQuantizationType(t)] for t in IQ_TYPES})
+# The K-quants (quants_k.py) and the 4-bit table types (quants_iq4.py), imported at the bottom too.
+K_TYPES = tuple(int(GGMLQuantizationType[n]) for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+IQ4_TYPES = tuple(int(GGMLQuantizationType[n]) for n in ("IQ4_NL", "IQ4_XS", "MXFP4"))
+TYPES.update({t: GGML_QUANT_SIZES[GGMLQuantizationType(t)] for t in K_TYPES + IQ4_TYPES})
 
 # Licences for the dot loops: no reassociation, which lets LLVM re-merge the 16 lane
 # accumulators into one long chain (KERNEL_NOTES point 5); nnan/ninf are not taken either
@@ -408,6 +415,12 @@ def dequant_rows(qtype, out, w):
         dequant_rows_bf16(out, w)
     elif qtype == F32:
         dequant_rows_f32(out, w)
+    elif qtype in IQ_TYPES:
+        quants_iq.dequant_rows_iq(qtype, out, w)
+    elif qtype in K_TYPES:
+        quants_k.dequant_rows_k(qtype, out, w)
+    elif qtype in IQ4_TYPES:
+        quants_iq4.dequant_rows_iq4(qtype, out, w)
 
 
 @njit(cache=True, error_model="numpy")
@@ -429,3 +442,14 @@ def dot_rows(qtype, out, w, x, xsum):
         dot_rows_bf16(out, w, x, xsum)
     elif qtype == F32:
         dot_rows_f32(out, w, x, xsum)
+    elif qtype in IQ_TYPES:
+        quants_iq.dot_rows_iq(qtype, out, w, x, xsum)
+    elif qtype in K_TYPES:
+        quants_k.dot_rows_k(qtype, out, w, x, xsum)
+    elif qtype in IQ4_TYPES:
+        quants_iq4.dot_rows_iq4(qtype, out, w, x, xsum)
+
+
+# Last: quants_iq imports the helpers above (a plain import, so either module may load first).
+from . import quants_iq  # noqa: E402
+from . import quants_iq4, quants_k  # noqa: E402

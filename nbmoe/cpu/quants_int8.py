@@ -33,7 +33,8 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import FM, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, load_f16, stack_f32
+from . import quants_iq4, quants_iq_i8, quants_k_i8
+from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, load_f16, stack_f32
 
 _FEATURES = llb.get_host_cpu_features()
 # NBMOE_NO_VNNI=1 forces the generic dot4 (use a separate NUMBA_CACHE_DIR: Numba's cache
@@ -41,7 +42,8 @@ _FEATURES = llb.get_host_cpu_features()
 HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and not os.environ.get("NBMOE_NO_VNNI")
 
 # The block types with an integer dot product here.
-INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) + K_TYPES + IQ4_TYPES  # the last two: quants_k_i8, quants_iq4
+INT8_TYPES += IQ_TYPES  # the grid IQ types: quants_iq_i8
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
@@ -225,3 +227,9 @@ def dot_rows_i8(qtype, out, w, xq, xd, xs):
         dot_rows_q5_0(out, w, xq, xd, xs)
     elif qtype == Q5_1:
         dot_rows_q5_1(out, w, xq, xd, xs)
+    elif qtype in K_TYPES:
+        quants_k_i8.dot_rows_k_i8(qtype, out, w, xq, xd, xs)
+    elif qtype in IQ4_TYPES:
+        quants_iq4.dot_rows_iq4_i8(qtype, out, w, xq, xd, xs)
+    elif qtype in IQ_TYPES:
+        quants_iq_i8.dot_rows_iq_i8(qtype, out, w, xq, xd, xs)

@@ -1,0 +1,283 @@
+"""4-bit lookup types on CPU: IQ4_NL, IQ4_XS, MXFP4 decode, float dots and integer dots.
+
+Letters as in quants.py (R rows, K values in a row, x [K], xsum [K / 32]). The codes are
+4-bit indices into a table of 16 signed levels. Block layouts (from gguf-py's quants.py):
+
+  IQ4_NL  32 values in 18 bytes = d:f16 qs:16                     v = d * KV_IQ4[q]
+  MXFP4   32 values in 17 bytes = e:u8 (E8M0 exponent) qs:16      v = 2**(e - 128) * KV_MXFP4[q]
+    qs:16: byte j low nibble = value j, high nibble = value j + 16 (as Q4_0).
+  IQ4_XS  256 values in 136 bytes = d:f16 scales_h:u16 scales_l:4 qs:128
+    8 sub-blocks of 32: 6-bit scale ls_j = (nibble j of scales_l) | (bits 2j of scales_h) << 4,
+    v = d * (ls_j - 32) * KV_IQ4[q]; sub-block j's qs are bytes 16j..16j+15, nibbles as above.
+KV_MXFP4 holds the E2M1 values doubled (hence the 2**(e - 128) = half of 2**(e - 127)).
+
+Integer dots (quants_k_i8.py and simd.py describe the scheme): the levels fit in int8, so the
+codes of a block become bytes by one `vpshufb` table lookup, stored + a bias (unsigned for
+vpdpbusd: + 128 for IQ4, + 12 for MXFP4) with bias * the x sum taken off per block, as
+quants_int8's Q8_0. The 32-value
+types take four blocks per intrinsic call (two 512-bit dots).
+"""
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import IQ4_NL as _IQ4_NL
+from gguf.quants import MXFP4 as _MXFP4
+from llvmlite import ir
+from numba import njit
+
+from .quants import FM, block32, f32, lanes16, load_f16, sum16, u8, u32
+from .simd import F32, I32, acc_intrinsic, const, vec
+
+IQ4_NL = int(GGMLQuantizationType.IQ4_NL)
+IQ4_XS = int(GGMLQuantizationType.IQ4_XS)
+MXFP4 = int(GGMLQuantizationType.MXFP4)
+
+KV_IQ4 = np.array(_IQ4_NL.kvalues, np.float32)
+KV_MXFP4 = np.array(_MXFP4.kvalues, np.float32)
+
+
+@njit(inline="always")
+def e8m0_half(e):
+    """float32 2**(e - 128) for an E8M0 byte (a denormal for e < 2, as ggml computes it)."""
+    bits = u32(0x00200000) << u32(e) if e < 2 else u32(e - 1) << u32(23)
+    return u32(bits).view(np.float32)
+
+
+@njit(inline="always")
+def xs_scale(row, o, j):
+    """IQ4_XS sub-block j's signed scale ls_j - 32 as float32 (block at row[o:])."""
+    lo = (row[o + 4 + j // 2] >> u8(4 * (j % 2))) & u8(15)
+    hi = (u32(row[o + 2]) | (u32(row[o + 3]) << u32(8))) >> u32(2 * j) & u32(3)
+    return f32(np.int32(lo) | np.int32(hi << u32(4))) - f32(32)
+
+
+# ---------------------------------------------------------------- dequantize (plain loops)
+
+@njit(cache=True, error_model="numpy")
+def dequant_rows_iq4_nl(out, w):
+    for r in range(w.shape[0]):
+        row = w[r]
+        for b in range(row.shape[0] // 18):
+            d = load_f16(row, b * 18)
+            v = block32()
+            for j in range(16):
+                q = row[b * 18 + 2 + j]
+                v[j] = d * KV_IQ4[q & u8(15)]
+                v[j + 16] = d * KV_IQ4[q >> u8(4)]
+            for i in range(32):
+                out[r, b * 32 + i] = v[i]
+
+
+@njit(cache=True, error_model="numpy")
+def dequant_rows_mxfp4(out, w):
+    for r in range(w.shape[0]):
+        row = w[r]
+        for b in range(row.shape[0] // 17):
+            d = e8m0_half(row[b * 17])
+            v = block32()
+            for j in range(16):
+                q = row[b * 17 + 1 + j]
+                v[j] = d * KV_MXFP4[q & u8(15)]
+                v[j + 16] = d * KV_MXFP4[q >> u8(4)]
+            for i in range(32):
+                out[r, b * 32 + i] = v[i]
+
+
+@njit(cache=True, error_model="numpy")
+def dequant_rows_iq4_xs(out, w):
+    for r in range(w.shape[0]):
+        row = w[r]
+        for b in range(row.shape[0] // 136):
+            o = b * 136
+            d = load_f16(row, o)
+            for j in range(8):
+                dl = d * xs_scale(row, o, j)
+                v = block32()
+                for l in range(16):
+                    q = row[o + 8 + 16 * j + l]
+                    v[l] = dl * KV_IQ4[q & u8(15)]
+                    v[l + 16] = dl * KV_IQ4[q >> u8(4)]
+                for i in range(32):
+                    out[r, b * 256 + 32 * j + i] = v[i]
+
+
+# ---------------------------------------------------------------- float dots
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_iq4_nl(out, w, x, xsum):
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(row.shape[0] // 18):
+            o, ox = b * 18, b * 32
+            d = load_f16(row, o)
+            for j in range(16):
+                q = row[o + 2 + j]
+                acc[j] += d * (KV_IQ4[q & u8(15)] * x[ox + j] + KV_IQ4[q >> u8(4)] * x[ox + 16 + j])
+        out[r] = sum16(acc)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_mxfp4(out, w, x, xsum):
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(row.shape[0] // 17):
+            o, ox = b * 17, b * 32
+            d = e8m0_half(row[o])
+            for j in range(16):
+                q = row[o + 1 + j]
+                acc[j] += d * (KV_MXFP4[q & u8(15)] * x[ox + j] + KV_MXFP4[q >> u8(4)] * x[ox + 16 + j])
+        out[r] = sum16(acc)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_iq4_xs(out, w, x, xsum):
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(row.shape[0] // 136):
+            o = b * 136
+            d = load_f16(row, o)
+            for j in range(8):
+                dl, ox = d * xs_scale(row, o, j), b * 256 + 32 * j
+                for l in range(16):
+                    q = row[o + 8 + 16 * j + l]
+                    acc[l] += dl * (KV_IQ4[q & u8(15)] * x[ox + l] + KV_IQ4[q >> u8(4)] * x[ox + 16 + l])
+        out[r] = sum16(acc)
+
+
+# ---------------------------------------------------------------- integer dots (IR bodies)
+# Codes are level + bias (unsigned); each block takes bias * d * xs[b] off. The bias is the
+# smallest that makes every level >= 0: a larger one loses float32 digits to cancellation.
+
+_IQ4_U8 = [v + 128 for v in _IQ4_NL.kvalues]
+_MXFP4_U8 = [v + 12 for v in _MXFP4.kvalues]
+
+
+def _nl_scales(e, size, n):
+    """<n x float>: the f16 d of n IQ4_NL blocks."""
+    h = e.pack(*[e.word(i * size, 16) for i in range(n)])
+    return e.b.fpext(e.b.bitcast(h, vec(ir.HalfType(), n)), vec(F32, n))
+
+
+def _mx_scales(e, size, n):
+    """<n x float>: e8m0_half of the exponent bytes of n MXFP4 blocks."""
+    b = e.b
+    x = b.zext(e.pack(*[e.word(i * size, 8) for i in range(n)]), vec(I32, n))
+    small = b.shl(const(I32, [0x00200000] * n), x)
+    big = b.shl(b.sub(x, const(I32, [1] * n)), const(I32, [23] * n))
+    return b.bitcast(b.select(b.icmp_unsigned("<", x, const(I32, [2] * n)), small, big), vec(F32, n))
+
+
+def _blocks32(size, qs_at, scales, table, bias, n):
+    """Body for n (1 or 4) consecutive 32-value blocks of `size` bytes, qs at qs_at."""
+    def body(e):
+        d = scales(e, size, n)
+        e.add(e.mul(d, e.xs(n), e.fconst(-bias, n)))
+        s = e.mul(d, e.xd(n))
+        for j in range(0, n, 2):
+            pair = j + 1 < n                          # blocks j, j + 1: one 512-bit dot
+            qa = e.bytes(j * size + qs_at, 16)
+            qb = e.bytes((j + 1) * size + qs_at, 16) if pair else qa
+            q = e.b.shuffle_vector(qa, qb, const(I32, [*range(16), *range(16), *range(16, 32), *range(16, 32)]
+                                                 if pair else [*range(16), *range(16)]))
+            codes = e.band(e.shr16(q, ([0] * 8 + [4] * 8) * (2 if pair else 1)), 15)
+            e.acc_dot(e.lut(table, codes), e.xq(32 * j, 64 if pair else 32), s,
+                      [j] * 8 + [j + 1] * 8 if pair else [j] * 8)
+    return body
+
+
+acc_iq4_nl4 = acc_intrinsic(_blocks32(18, 2, _nl_scales, _IQ4_U8, 128, 4), 32, 1, 72)
+acc_iq4_nl1 = acc_intrinsic(_blocks32(18, 2, _nl_scales, _IQ4_U8, 128, 1), 32, 1, 18)
+acc_mxfp44 = acc_intrinsic(_blocks32(17, 1, _mx_scales, _MXFP4_U8, 12, 4), 32, 1, 68)
+acc_mxfp41 = acc_intrinsic(_blocks32(17, 1, _mx_scales, _MXFP4_U8, 12, 1), 32, 1, 17)
+
+
+def _iq4_xs(e):
+    b = e.b
+    lo = b.lshr(e.splat(e.word(4), 8), const(I32, range(0, 32, 4)))
+    hi = b.lshr(e.splat(b.zext(e.word(2, 16), I32), 8), const(I32, range(0, 16, 2)))
+    ls = b.or_(e.band(lo, 15), e.shl(e.band(hi, 3), 4))
+    ds = e.mul(e.splat(e.f16(0), 8), b.fsub(e.tofloat(ls), e.fconst(32, 8)))
+    e.add(e.mul(ds, e.xs(8), e.fconst(-128, 8)))
+    s = e.mul(ds, e.xd(8))
+    for k in range(4):                                # sub-blocks 2k, 2k + 1: 16 bytes each
+        q = e.bytes(8 + 32 * k, 32)
+        q = b.shuffle_vector(q, q, const(I32, [*range(16), *range(16), *range(16, 32), *range(16, 32)]))
+        codes = e.band(e.shr16(q, ([0] * 8 + [4] * 8) * 2), 15)
+        e.acc_dot(e.lut(_IQ4_U8, codes), e.xq(64 * k), s, [2 * k] * 8 + [2 * k + 1] * 8)
+
+
+acc_iq4_xs = acc_intrinsic(_iq4_xs, 256, 8, 136)
+
+
+# ---------------------------------------------------------------- integer dots (rows)
+# The 32-value types: 4 blocks per call, the last 1-3 blocks of each row one at a time in
+# loops of their own (a branch in the row loop costs a refcount pair per row).
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_iq4_nl_i8(out, w, xq, xd, xs):
+    nb = w.shape[1] // 18
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(0, nb - 3, 4):
+            acc_iq4_nl4(acc, row, b * 18, xq, xd, xs, b)
+        out[r] = sum16(acc)
+    for b in range(nb // 4 * 4, nb):
+        for r in range(w.shape[0]):
+            row, acc = w[r], lanes16()
+            acc_iq4_nl1(acc, row, b * 18, xq, xd, xs, b)
+            out[r] += sum16(acc)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_mxfp4_i8(out, w, xq, xd, xs):
+    nb = w.shape[1] // 17
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(0, nb - 3, 4):
+            acc_mxfp44(acc, row, b * 17, xq, xd, xs, b)
+        out[r] = sum16(acc)
+    for b in range(nb // 4 * 4, nb):
+        for r in range(w.shape[0]):
+            row, acc = w[r], lanes16()
+            acc_mxfp41(acc, row, b * 17, xq, xd, xs, b)
+            out[r] += sum16(acc)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_iq4_xs_i8(out, w, xq, xd, xs):
+    for r in range(w.shape[0]):
+        row, acc = w[r], lanes16()
+        for b in range(row.shape[0] // 136):
+            acc_iq4_xs(acc, row, b * 136, xq, xd, xs, b)
+        out[r] = sum16(acc)
+
+
+# ---------------------------------------------------------------- dispatch (from quants.py, quants_int8.py)
+
+@njit(cache=True, error_model="numpy")
+def dequant_rows_iq4(qtype, out, w):
+    if qtype == IQ4_XS:
+        dequant_rows_iq4_xs(out, w)
+    elif qtype == MXFP4:
+        dequant_rows_mxfp4(out, w)
+    elif qtype == IQ4_NL:
+        dequant_rows_iq4_nl(out, w)
+
+
+@njit(cache=True, error_model="numpy")
+def dot_rows_iq4(qtype, out, w, x, xsum):
+    if qtype == IQ4_XS:
+        dot_rows_iq4_xs(out, w, x, xsum)
+    elif qtype == MXFP4:
+        dot_rows_mxfp4(out, w, x, xsum)
+    elif qtype == IQ4_NL:
+        dot_rows_iq4_nl(out, w, x, xsum)
+
+
+@njit(cache=True, error_model="numpy")
+def dot_rows_iq4_i8(qtype, out, w, xq, xd, xs):
+    if qtype == IQ4_XS:
+        dot_rows_iq4_xs_i8(out, w, xq, xd, xs)
+    elif qtype == MXFP4:
+        dot_rows_mxfp4_i8(out, w, xq, xd, xs)
+    elif qtype == IQ4_NL:
+        dot_rows_iq4_nl_i8(out, w, xq, xd, xs)
