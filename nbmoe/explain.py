@@ -14,7 +14,7 @@ from rich.table import Table
 
 CAUSES = {"wgt": "weight lives there", "off": "offloaded: RAM weight, large batch",
           "kv": "attention where its KV cache lives",
-          "inp": "follows its input", "def": "graph input"}
+          "inp": "where most of its input bytes are", "def": "graph input"}
 
 
 def _ranges(nums):

@@ -6,7 +6,8 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
   kv   attention runs where its layer's KV cache lives (the layer's device)
   off  the weight lives in RAM but the batch is large enough that copying the weight to a
        GPU and computing there wins (OffloadPolicy)
-  inp  no weight: it follows the backend of its first input written by an earlier node
+  inp  no weight: it runs where most of its input bytes already are (ties go to a GPU, where
+       the next weighted op usually is), so the fewest bytes cross between backends
   def  nothing to follow (graph inputs only): the CPU
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
 the scheduler tracks on which backends each buffer's current value is; a node that reads a
@@ -15,6 +16,8 @@ buffer not valid on its backend gets a copy step right before it.
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .graph import OPS
 
@@ -112,8 +115,16 @@ def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cach
                     and policy.offload(node, graph.n_tokens, cfg)):
                 node.backend, node.cause = gpu, "off"
         else:
-            src = next((producer[s] for s in node.srcs if s in producer), None)
-            node.backend, node.cause = (src, "inp") if src else ("CPU", "def")
+            on = defaultdict(int)
+            for s in node.srcs:
+                if s in producer:
+                    b = graph.buffers[s]
+                    on[producer[s]] += int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize
+            if on:
+                node.backend = max(on, key=lambda be: (on[be], be != "CPU"))
+                node.cause = "inp"
+            else:
+                node.backend, node.cause = "CPU", "def"
         for out in node.outs:
             producer[out] = node.backend
 
