@@ -78,3 +78,21 @@ def test_unknown_architecture_error(tmp_path, moe_model):
 def test_prompt_longer_than_context(moe_model):
     msg = one_line_error(run(["nbmoe", "-m", moe_model, "-c", "16", "-n", "4"], stdin="word " * 40 + "\n"))
     assert "context" in msg
+
+
+def test_bad_override_errors(moe_model):
+    msg = one_line_error(run(["nbmoe.bench", "-m", moe_model, "-ot", "exps=CUDA9", "-r", "1"]))
+    assert "unknown buffer type 'CUDA9'" in msg and "available: CPU" in msg
+    msg = one_line_error(run(["nbmoe.bench", "-m", moe_model, "-ot", "(exps=CPU", "-r", "1"]))
+    assert "bad regex '(exps'" in msg
+    msg = one_line_error(run(["nbmoe.bench", "-m", moe_model, "-op", "NOPE,1", "-r", "1"]))
+    assert "unknown op 'NOPE'" in msg
+
+
+def test_explain_and_timings(moe_model):
+    r = run(["nbmoe.bench", "-m", moe_model, "-p", "8", "-n", "2", "-r", "1", "-t", "1",
+             "--explain", "--timings", "--no-bandwidth"])
+    assert r.returncode == 0, r.stderr
+    assert "tensor placement" in r.stderr and "ffn_up_exps.weight" in r.stderr
+    assert "schedule per micro-batch" in r.stderr and "MUL_MAT_ID" in r.stderr
+    assert "Python scheduling" in r.stderr
