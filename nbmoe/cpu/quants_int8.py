@@ -34,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8
+from .simd import PREFETCH
 from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, load_f16, stack_f32
 
 _FEATURES = llb.get_host_cpu_features()
@@ -73,9 +74,21 @@ def _dot4(builder, codes, xq):
     return pair_sums(pair_sums(p, 16), 8)
 
 
+def _prefetch(context, builder, sig, row, o):
+    """Ask for the cache line simd.PREFETCH bytes past row[o]: the hardware prefetchers alone
+    leave these loops waiting on memory (see simd.py). A prefetch past the end never faults."""
+    off = builder.add(builder.sext(o, _I64) if o.type != _I64 else o, ir.Constant(_I64, PREFETCH))
+    ptr = _vec_ptr(context, builder, sig.args[1], row, off, _I8)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+    builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
 def _block_acc(context, builder, sig, args, codes):
     """acc[0:8] += float(dot4(codes, xq[ox:ox + 32])) * s; args = (acc, row, o, xq, ox, s, ...)."""
     acc, xq, ox, s = args[0], args[3], args[4], args[5]
+    if PREFETCH:
+        _prefetch(context, builder, sig, args[1], args[2])
     x = builder.load(_vec_ptr(context, builder, sig.args[3], xq, ox, _V32I8), align=1)
     ap = _vec_ptr(context, builder, sig.args[0], acc, ir.Constant(_I64, 0), _V8F)
     sv = builder.insert_element(ir.Constant(_V8F, None), s, ir.Constant(_I32, 0))
