@@ -7,30 +7,14 @@ Letters as in the kernels: T tokens, M rows, K values per row, E experts, A chos
 per token, H / Hkv heads, Dh head dim. Every output is poisoned with NaN before the launch.
 Run with -s to see the table of max relative errors at the end.
 """
-import os
 import sys
 
-if os.environ.get("NBMOE_REAL_GPU") != "1" and "NUMBA_ENABLE_CUDASIM" not in os.environ:
-    if "numba" in sys.modules:
-        # numba read its environment at import (conftest imports it first), and setting a
-        # NUMBA_ variable now would make its next compile re-read them all, undoing settings
-        # made in code (nbmoe sets SLP_VECTORIZE): set the flag numba.cuda reads instead.
-        import numba.core.config
-        numba.core.config.ENABLE_CUDASIM = 1
-    else:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-
+import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads; skips without it)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
 
-try:
-    import nbmoe.cuda as nbcuda  # applies the numpy shim before numba.cuda is imported
-    from numba import cuda
-except ImportError as e:  # numba-cuda or its CUDA bindings not installed
-    pytest.skip(f"numba.cuda is not importable: {e}", allow_module_level=True)
-if not nbcuda.is_available():
-    pytest.skip("no CUDA GPU (and the simulator was not selected before numba.cuda was imported)",
-                allow_module_level=True)
+import nbmoe.cuda as nbcuda  # noqa: E402
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
