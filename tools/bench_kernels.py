@@ -1,0 +1,181 @@
+"""Kernel benchmark: matrix-vector GB/s per weight type against the streaming read bandwidth
+measured in the same run, the expert product of one token, and batched GFLOP/s at T=512.
+
+    python tools/bench_kernels.py -t 2                       # every CPU type, rich table
+    python tools/bench_kernels.py -t 2 --types Q4_K,Q8_0 -o json
+
+Every case is checked against gguf-py's dequantization + a float64 product before it is
+timed. T=1 calls walk through weight copies larger than the L3, so every call reads its
+weights from memory (the min over single calls would pick calls whose copies were still in
+the L3 from being written). Ratio = weight bytes per second / streaming read.
+"""
+import argparse
+import json
+import time
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from numba import njit, prange
+from rich.console import Console
+from rich.table import Table
+
+import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
+from nbmoe.cpu import matmul
+from nbmoe.cpu.quants import TYPES
+from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES
+
+ALL_TYPES = ("F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,"
+             "MXFP4,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _stream_sum(a, n_chunks):
+    step = a.shape[0] // n_chunks
+    partial = np.zeros(n_chunks, np.float32)
+    for c in prange(n_chunks):
+        part = a[c * step:(c + 1) * step]
+        s = np.float32(0)
+        for i in range(part.shape[0]):
+            s += part[i]
+        partial[c] = s
+    return partial.sum()
+
+
+def best_time(fn, n):
+    best = float("inf")
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def walk_time(fn, n, reps=2):
+    """Seconds per call of fn(0..n-1) (each on other weight copies): best of `reps` walks."""
+    for i in range(n):
+        fn(i)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def stream_bandwidth():
+    big = np.ones(1 << 28, np.float32)
+    return big.nbytes / best_time(lambda i: _stream_sum(big, 64), 5) / 1e9
+
+
+def weights(rng, qtype, M, K):
+    """Quantized random weights; random bytes below 64 (finite f16 scales) for the types gguf-py
+    cannot quantize. Read-only, as the mmap'd GGUF views are."""
+    from gguf.quants import quantize
+    try:
+        w = quantize(rng.standard_normal((M, K), dtype=np.float32), qtype).view(np.uint8)
+    except NotImplementedError:
+        w = rng.integers(0, 64, (M, matmul.row_size(qtype, K)), dtype=np.uint8)
+    w = np.ascontiguousarray(w)
+    w.flags.writeable = False
+    return w
+
+
+def check(out, w, x, qtype, bound):
+    """Max relative error of out against gguf-py dequantization + float64; raise past bound."""
+    ref = x.astype(np.float64) @ gguf_dequantize(w, qtype).astype(np.float64).T
+    err = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+    if not err <= bound:
+        raise SystemExit(f"error: {GGMLQuantizationType(qtype).name} {w.shape}: relative error {err:.2e} > {bound}")
+    return err
+
+
+def copies(w, copy_mb):
+    out = [w] + [w.copy() for _ in range(int(copy_mb * 1e6 // w.nbytes))]
+    for c in out:
+        c.flags.writeable = False
+    return out
+
+
+def bench_type(name, a, bw, rng):
+    qt = int(GGMLQuantizationType[name])
+    paths = (True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)
+    rows = []
+    for shape in a.shapes.split(","):
+        M, K = (int(v) for v in shape.split("x"))
+        if K % TYPES[qt][0]:
+            continue  # rows of 576 do not hold 256-value super-blocks
+        ws = copies(weights(rng, qt, M, K), a.copy_mb)
+        x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
+        for int8 in paths:
+            matmul._mul_mat_vec(out, ws[0], x, qt, int8)
+            err = check(out, ws[0], x, qt, 1.5e-2 if int8 else 1e-4)
+            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, qt, int8), len(ws))
+            gbs = ws[0].nbytes / t / 1e9
+            rows.append(dict(type=name, test=f"mat-vec {M}x{K}", path="int8" if int8 else "float",
+                             ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=2 * M * K / t / 1e9, rel_err=err))
+    for shape in a.moe.split(","):   # one token through 8 experts; calls walk through all E
+        E, M, K = (int(v) for v in shape.split("x"))
+        if K % TYPES[qt][0]:
+            continue
+        w1 = weights(rng, qt, M, K)
+        ws = copies(np.ascontiguousarray(np.broadcast_to(w1, (E,) + w1.shape)), a.copy_mb)
+        x, out = rng.standard_normal((1, 8, K), dtype=np.float32), np.empty((1, 8, M), np.float32)
+        ids = [np.arange(8 * i, 8 * i + 8, dtype=np.int32).reshape(1, 8) % E for i in range(E // 8)]
+        for int8 in paths:
+            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], qt, 9, int8)
+            err = check(out[0, 0:1], w1, x[0, 0:1], qt, 1.5e-2 if int8 else 1e-4)
+            t = walk_time(lambda i: matmul._mul_mat_id_vec(out, ws[i // len(ids) % len(ws)], x,
+                                                           ids[i % len(ids)], qt, 9, int8), len(ids) * len(ws))
+            gbs = 8 * w1.nbytes / t / 1e9
+            rows.append(dict(type=name, test=f"experts {E}x{M}x{K} A=8", path="int8" if int8 else "float",
+                             ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=16 * M * K / t / 1e9, rel_err=err))
+    for shape in a.gemm.split(","):
+        M, K = (int(v) for v in shape.split("x"))
+        if K % TYPES[qt][0]:
+            continue
+        w = weights(rng, qt, M, K)
+        x, out = rng.standard_normal((512, K), dtype=np.float32), np.empty((512, M), np.float32)
+        matmul.mul_mat(out, w, x, qt)
+        err = check(out, w, x, qt, 1e-4)
+        t = best_time(lambda i: matmul.mul_mat(out, w, x, qt), 5)
+        rows.append(dict(type=name, test=f"batch 512 x {M}x{K}", path="dequant+BLAS", ms=t * 1e3,
+                         gbs=None, ratio=None, gflops=2 * 512 * M * K / t / 1e9, rel_err=err))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS, help="Numba threads")
+    p.add_argument("--types", default=ALL_TYPES, help="comma-separated GGUF types")
+    p.add_argument("--shapes", default="4096x4096,2048x768", help="MxK list, matrix-vector")
+    p.add_argument("--moe", default="128x2048x768", help="ExMxK list, one token's 8 experts")
+    p.add_argument("--gemm", default="4096x4096", help="MxK list, T=512 batched product")
+    p.add_argument("--copy-mb", type=float, default=400, help="MB of weight copies walked through")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    a = p.parse_args(argv)
+    numba.set_num_threads(a.threads)
+    bw = stream_bandwidth()
+    rng = np.random.default_rng(0)
+    rows = []
+    console = Console(stderr=True)
+    for name in a.types.split(","):
+        with console.status(f"{name}"):
+            rows += bench_type(name.strip(), a, bw, rng)
+    if a.output == "json":
+        print(json.dumps(dict(threads=a.threads, read_bw_gbs=bw, rows=rows), indent=2))
+        return
+    t = Table(title=f"CPU kernels, {a.threads} threads, streaming read {bw:.1f} GB/s", title_justify="left")
+    for col in ("type", "test", "path", "ms", "GB/s", "of read bw", "GFLOP/s", "rel err"):
+        t.add_column(col, justify="left" if col in ("type", "test", "path") else "right")
+    for r in rows:
+        t.add_row(r["type"], r["test"], r["path"], f"{r['ms']:.3f}",
+                  "" if r["gbs"] is None else f"{r['gbs']:.1f}",
+                  "" if r["ratio"] is None else f"{r['ratio']:.0%}", f"{r['gflops']:.1f}", f"{r['rel_err']:.1e}")
+    Console(width=max(Console().width, 120)).print(t)
+
+
+if __name__ == "__main__":
+    main()
