@@ -12,6 +12,7 @@ import numpy as np
 
 from .arch import config_from_meta
 from .backend import CPUBackend
+from .cpu import matmul as cpu_matmul
 from .errors import NbmoeError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache
@@ -37,18 +38,13 @@ class LLM:
         meta = self.file.meta
         emb = self.file.tensors.get("token_embd.weight")
         self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None)
+        check_tensors(self.cfg, self.file.tensors, cpu_matmul.is_supported)
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
         self.weights = dict(self.file.tensors)
-        self.weights.setdefault("output.weight", self.weights.get("token_embd.weight"))
+        self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
-        self.backends = {"CPU": CPUBackend(self.weights)}
-        self.backends.update(self._gpu_backends())
-        check_tensors(self.cfg, self.file.tensors, self.backends["CPU"].supports_type)
-        for name, (buftype, _) in self.placement.items():
-            if not self.backends[buftype].supports_type(self.weights[name].ggml_type):
-                raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "
-                                 f"which the {buftype} backend does not support")
+        self.backends = {"CPU": CPUBackend(self.weights), **self._gpu_backends()}
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
         self.threads = threads or default_threads()
@@ -73,12 +69,17 @@ class LLM:
 
     def _gpu_backends(self):
         """One CUDA backend per GPU that holds weights (none: the CPU-only engine)."""
-        used = sorted({b for b, _ in self.placement.values() if b != "CPU"})
-        if not used:
+        on_gpu = {t: b for t, (b, _) in self.placement.items() if b != "CPU"}
+        if not on_gpu:
             return {}
         from .backend_cuda import CUDABackend
-        return {n: CUDABackend(n, self.weights, [t for t, (b, _) in self.placement.items() if b == n])
-                for n in used}
+        from .cuda.quants import is_supported
+        for name, buftype in on_gpu.items():   # before anything is uploaded
+            if not is_supported(int(self.weights[name].ggml_type)):
+                raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "
+                                 f"which the {buftype} backend does not support")
+        return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n])
+                for n in sorted(set(on_gpu.values()))}
 
     # ---- tokens -------------------------------------------------------------------------
     def tokenize(self, text, add_bos=None, special=True):
