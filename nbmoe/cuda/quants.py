@@ -11,11 +11,17 @@ Block layouts (little-endian, as nbmoe/cpu/quants.py):
   Q5_1  32 values in 24 bytes = d:f16 m:f16 qh:4 qs:16                    v = d * q + m
     qs:16 holds 4 bits per value: byte j low nibble = value j, high nibble = value j + 16.
     qh:4 is one uint32: bit j = 5th bit (16s) of value j.
+  K-quants Q2_K..Q6_K: quants_k.py; the 4-bit table types IQ4_NL, IQ4_XS, MXFP4: quants_iq4.py.
 
 The unit of work is 8 values of one 32-value block (4 units a block): a thread decodes a unit
 into registers and dots it with x. Nibble types ("split" layout) give unit u the values at
 columns 32b + 4u + (0..3) and 32b + 16 + 4u + (0..3): one 32-bit word of qs. Q8_0 and the
 float types ("linear") give columns 32b + 8u + (0..7). `unit_cols` returns the two starts.
+
+Types of 256-value super-blocks (K-quants, IQ4_XS: quants_k.py, quants_iq4.py) keep this unit:
+b still counts 32-value blocks of the row (x is quantized per 32 values, the tiled kernel steps
+32 columns), so their decoders find super-block b >> 3 and its sub-block b & 7 themselves, and
+u is a unit of that sub-block.
 
 Every decoder is  dec(w, base, b, u, K) -> 8 float32: w the raw uint8 weights as given (any
 shape, C-contiguous), base the byte offset of the row, K its values. Fields are read with the
@@ -27,7 +33,7 @@ Bytes to floats: OR a byte into the mantissa of 2^23 (0x4B000000) and subtract 2
 block's offset 8, 16 or 128): two integer ops and one add, no int->float convert (I2F runs at
 a quarter of the FMA rate and would bound the matrix-vector kernels).
 
-Adding a type = a decoder (+ an integer-code decoder, see idec_*) + a TYPES entry.
+Adding a type = a decoder (+ an integer-code decoder, see idec_*) + a TYPES entry (register).
 """
 from collections import namedtuple
 
@@ -55,6 +61,7 @@ SIGN_BYTES = u32(0x80808080)     # int8 -> uint8 + 128
 F23 = f32(8388608.0)             # 2^23
 F23_8 = f32(8388616.0)           # 2^23 + 8   (Q4_0 offset)
 F23_16 = f32(8388624.0)          # 2^23 + 16  (Q5_0 offset)
+F23_32 = f32(8388640.0)          # 2^23 + 32  (Q6_K offset, Q3_K and IQ4_XS scale offsets)
 F23_128 = f32(8388736.0)         # 2^23 + 128 (Q8_0 sign)
 ZERO = f32(0.0)
 
@@ -70,6 +77,17 @@ def spread4(h):
     """Bits 0..3 of h to bit 4 of bytes 0..3 (a Q5 unit's high bits, as 16s of its 4 bytes)."""
     return (((h & u32(1)) << u32(4)) | ((h & u32(2)) << u32(11))
             | ((h & u32(4)) << u32(18)) | ((h & u32(8)) << u32(25)))
+
+
+@device_fn
+def affine8(c0, c1, d, m, bias):
+    """8 values d * (code - offset) - m from the bytes of c0 (values 0..3) and c1 (4..7), where
+    bias = 2^23 + offset (as byte_f32). Fused into one FMA or not, a value rounds as gguf-py's:
+    m is 0, or d * code is exact (an f16 times a 6-bit scale times a code of <= 5 bits)."""
+    return (d * byte_f32(c0, 0, bias) - m, d * byte_f32(c0, 1, bias) - m,
+            d * byte_f32(c0, 2, bias) - m, d * byte_f32(c0, 3, bias) - m,
+            d * byte_f32(c1, 0, bias) - m, d * byte_f32(c1, 1, bias) - m,
+            d * byte_f32(c1, 2, bias) - m, d * byte_f32(c1, 3, bias) - m)
 
 
 @device_fn
@@ -159,8 +177,10 @@ def dec_q8_0(w, base, b, u, K):
 # as two int32 words of 4 bytes each, laid out like x's int8 words (c0 for columns i0..,
 # c1 for i1..), and the block's d and m / 4, with value = d * code + m. The kernel adds
 #   d * xd * dp4a(codes, xq) + (m / 4) * xs      (xs = xd * sum of the block's x codes)
-# and the four units of a block share the offset term between them exactly.
-# Nibbles and 5-bit codes are < 128, so the signed byte dot product takes them as they are.
+# and the four units of a block share the offset term between them exactly. d may differ
+# between the units of a block (Q3_K, Q6_K: a scale per 16 values), m may not (Q2_K has a min
+# per 16 values: no integer path). Nibbles and 5-bit codes are < 128, so the signed byte dot
+# product takes them as they are; signed codes (Q3_K, Q6_K, table levels) go as int8 bytes.
 
 @device_fn
 def idec_q4_0(w, base, b, u):
@@ -247,7 +267,16 @@ def dec_f32(w, base, b, u, K):
 # idec: the integer-code decoder (None: float path only).
 QType = namedtuple("QType", "name block size dec split idec")
 
-TYPES = {
+TYPES = {}
+
+
+def register(types):
+    """Add {qtype: QType} entries to TYPES, checked against gguf-py's block sizes."""
+    assert all(GGML_QUANT_SIZES[GGMLQuantizationType(t)] == (v.block, v.size) for t, v in types.items())
+    TYPES.update(types)
+
+
+register({
     F32: QType("F32", 1, 4, dec_f32, False, None),
     F16: QType("F16", 1, 2, dec_f16, False, None),
     BF16: QType("BF16", 1, 2, dec_bf16, False, None),
@@ -256,8 +285,9 @@ TYPES = {
     Q4_1: QType("Q4_1", 32, 20, dec_q4_1, True, idec_q4_1),
     Q5_0: QType("Q5_0", 32, 22, dec_q5_0, True, idec_q5_0),
     Q5_1: QType("Q5_1", 32, 24, dec_q5_1, True, idec_q5_1),
-}
-assert all(GGML_QUANT_SIZES[GGMLQuantizationType(t)] == (v.block, v.size) for t, v in TYPES.items())
+})
+# + Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (quants_k.py) and IQ4_NL, IQ4_XS, MXFP4 (quants_iq4.py), which
+# register themselves when imported (at the bottom of this file: they use the helpers above).
 
 
 def qtype_info(qtype):
@@ -281,3 +311,6 @@ def row_values(qtype, row_bytes):
     """Values K in one row of row_bytes bytes of type qtype."""
     t = qtype_info(qtype)
     return row_bytes // t.size * t.block
+
+
+from . import quants_iq4, quants_k  # noqa: E402,F401  (register their types)
