@@ -17,6 +17,7 @@ def _rows2d(a):
 class Backend:
     name = "?"
     mm = ops = attn = moe = None        # kernel modules, set by subclasses
+    positions_on_device = False         # attention takes the pos buffer, not state.pos0
 
     def __init__(self, tensors):
         self.tensors = tensors          # GGUF TensorInfo by name (host side)
@@ -77,14 +78,18 @@ class Backend:
         return lambda: ops.rope(x, pos, n_rot, base, neox, scale)
 
     def bind_attn(self, node, buf, state):
-        out, q, k, v = (buf[n] for n in (node.out,) + node.srcs)
+        out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
-
-        def run():
-            attn.store_kv(kc, vc, k, v, state.pos0)
-            attn.attention(out, q, kc, vc, state.pos0, scale, window)
+        if self.positions_on_device:     # kernels read the position from the pos buffer
+            def run():
+                attn.store_kv(kc, vc, k, v, pos)
+                attn.attention(out, q, kc, vc, pos, scale, window)
+        else:
+            def run():
+                attn.store_kv(kc, vc, k, v, state.pos0)
+                attn.attention(out, q, kc, vc, state.pos0, scale, window)
         return run
 
     def bind_add(self, node, buf, state):

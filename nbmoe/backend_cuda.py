@@ -8,6 +8,8 @@ copies made on first use (PCIe runs ~5x faster from pinned than from pageable me
 the mmap'd file is pageable), so offloading costs RAM for those copies; NBMOE_NO_PIN=1
 uploads straight from the mmap instead.
 """
+import functools
+import inspect
 import os
 
 import numpy as np
@@ -28,16 +30,36 @@ def device_names():
         return []
 
 
+class _OnStream:
+    """A kernel module whose launchers all launch on one stream: the shared binders call
+    mm.mul_mat(...) as on the CPU, and the stream comes along. Other attributes pass through."""
+
+    def __init__(self, module, stream):
+        self._module, self._stream = module, stream
+
+    def __getattr__(self, name):
+        attr = getattr(self._module, name)
+        if callable(attr) and "stream" in inspect.signature(attr).parameters:
+            attr = functools.partial(attr, stream=self._stream)
+        setattr(self, name, attr)        # looked up once
+        return attr
+
+
 class CUDABackend(Backend):
+    positions_on_device = True   # attention reads positions from the pos buffer (graphs)
+
     def __init__(self, name, tensors, resident):
         super().__init__(tensors)
         from numba import cuda
 
-        from .cuda import attention, matmul, moe, ops
-        self.cuda, self.name = cuda, name
-        self.mm, self.ops, self.attn, self.moe = matmul, ops, attention, moe
+        from .cuda import attention, graphs, matmul, moe, ops
+        self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = int(name[4:])
         cuda.select_device(self.device)
+        # One stream per GPU, blocking: copies on the default stream stay ordered with it.
+        self.stream = cuda.stream()
+        self.mm, self.ops, self.attn, self.moe = (_OnStream(m, self.stream)
+                                                  for m in (matmul, ops, attention, moe))
         self.resident = {}
         self.vectors = {}
         self.pinned = {}
@@ -69,6 +91,24 @@ class CUDABackend(Backend):
 
     def synchronize(self):
         self.cuda.synchronize()
+
+    def graph_run(self, steps):
+        """One step that replays these steps (launches and copies on this GPU's stream) as a
+        CUDA graph, then waits for it."""
+        return self.graphs.GraphRun(steps, self.stream)
+
+    def pinned_alloc(self, shape, dtype):
+        """A page-locked host array (decode plans' host buffers: async, recordable copies)."""
+        a = self.cuda.pinned_array(shape, dtype)
+        a[...] = 0
+        return a
+
+    def copy_async(self, dst, src):
+        """A step copying between a pinned host array and this GPU, on this GPU's stream."""
+        stream = self.stream
+        if isinstance(dst, np.ndarray):
+            return lambda: src.copy_to_host(dst, stream=stream)
+        return lambda: dst.copy_to_device(src, stream=stream)
 
     def supports_type(self, ggml_type):
         from .cuda.quants import is_supported

@@ -4,8 +4,9 @@
     python -m nbmoe.bench -m model.gguf -p 512,1024 -n 128 -t 1,2 -r 3 -o json
 
 Each test runs once to warm up, then -r times from an empty cache; t/s is mean ± std over
-the repetitions. For tg the table also shows the weight bytes read per token (active
-experts only) turned into GB/s, next to the streaming read bandwidth measured in this run.
+the repetitions. For tg the table also shows the weight bytes the CPU reads from RAM per token
+(active experts only) turned into GB/s, next to the streaming read bandwidth measured in this
+run; with a GPU, a second column counts all weights, wherever they are read.
 """
 import argparse
 import csv
@@ -58,18 +59,22 @@ def model_facts(llm):
     cfg, tensors = llm.cfg, llm.file.tensors
     size = sum(t.n_bytes for t in tensors.values())
     n_params = sum(int(np.prod(t.ne)) for t in tensors.values())
-    per_token = 0.0
+    per_token = ram_per_token = 0.0
     for name, t in tensors.items():
         if name.endswith("_exps.weight"):
-            per_token += t.n_bytes * cfg.n_expert_used / cfg.n_expert
+            n = t.n_bytes * cfg.n_expert_used / cfg.n_expert
         elif name == "token_embd.weight" and "output.weight" in tensors:
-            per_token += t.n_bytes / cfg.n_vocab        # one row looked up
+            n = t.n_bytes / cfg.n_vocab        # one row looked up
         else:
-            per_token += t.n_bytes
+            n = t.n_bytes
+        per_token += n
+        if llm.placement[name][0] == "CPU":   # generation never offloads: read from RAM
+            ram_per_token += n
     ftype = file_type_name(llm.file.meta, tensors)
     experts = f"{cfg.n_expert}x" if cfg.is_moe else ""
     label = f"{cfg.arch} {experts}{human(n_params)} {ftype}"
-    return dict(size=size, n_params=n_params, bytes_per_token=per_token, label=label)
+    return dict(size=size, n_params=n_params, bytes_per_token=per_token,
+                ram_bytes_per_token=ram_per_token, label=label)
 
 
 def file_type_name(meta, tensors):
@@ -190,8 +195,10 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
         avg_ts=float(ts.mean()), stddev_ts=float(ts.std()),
         samples_ns=[int(t * 1e9) for t in times], samples_ts=ts.tolist(),
-        bytes_per_token=facts["bytes_per_token"], read_bw_gbs=bw,
+        bytes_per_token=facts["bytes_per_token"], ram_bytes_per_token=facts["ram_bytes_per_token"],
+        read_bw_gbs=bw,
         weight_gbs=float(ts.mean() * facts["bytes_per_token"] / 1e9) if kind == "tg" else None,
+        ram_weight_gbs=float(ts.mean() * facts["ram_bytes_per_token"] / 1e9) if kind == "tg" else None,
     )
 
 
@@ -218,26 +225,29 @@ def print_rows(rows, fmt, facts):
     table = Table(title="nbmoe bench", title_justify="left")
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch", "test", "t/s", "GB/s (of read bw)"]
+        "n_ubatch", "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
     for r in rows:
         test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        gbs = ""
-        if r["weight_gbs"] is not None:
-            gbs = f"{r['weight_gbs']:.1f}"
+        gbs, all_gbs = "", []
+        if r["ram_weight_gbs"]:       # weights read from RAM by the CPU, vs the CPU's bandwidth
+            gbs = f"{r['ram_weight_gbs']:.1f}"
             if r["read_bw_gbs"]:
-                gbs += f" ({r['weight_gbs'] / r['read_bw_gbs']:.0%} of {r['read_bw_gbs']:.1f})"
+                gbs += f" ({r['ram_weight_gbs'] / r['read_bw_gbs']:.0%} of {r['read_bw_gbs']:.1f})"
+        if show_gpu:
+            all_gbs = [f"{r['weight_gbs']:.1f}" if r["weight_gbs"] is not None else ""]
         gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]), test,
-                      f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs)
+                      f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     console = Console()
     if not console.is_terminal:   # piped: do not wrap the table at 80 columns
         console = Console(width=200)
     console.print(table)
     print(f"weights read per generated token: {facts['bytes_per_token'] / 2**20:.1f} MiB "
-          f"(active experts only)", file=sys.stdout)
+          f"(active experts only), {facts['ram_bytes_per_token'] / 2**20:.1f} MiB of them from RAM",
+          file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight):
         rope = dict(n_rot=cfg.n_rot, base=base, scale=pos_scale, neox=f.rope_neox)
         g.add_node("ROPE", "q", (T, H, Dh), ["q", "pos"], **rope)
         g.add_node("ROPE", "k", (T, Hkv, Dh), ["k", "pos"], **rope)
-        g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v"], layer=il,
+        g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v", "pos"], layer=il,
                    scale=cfg.attn_scale, window=cfg.layer_window(il))
         g.add_node("MUL_MAT", "o", (T, D), ["attn"], p + "attn_output.weight")           # [T, D]
         if f.post_norms:

@@ -12,6 +12,11 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
 the scheduler tracks on which backends each buffer's current value is; a node that reads a
 buffer not valid on its backend gets a copy step right before it.
+
+Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecutive GPU
+steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
+kernel; copies and offloaded products stay outside. --timings then shows such a run as one
+GRAPH entry (NBMOE_NO_GRAPHS=1 for the per-op times of plain launches).
 """
 import time
 from collections import defaultdict
@@ -24,6 +29,9 @@ from .graph import OPS
 # Batch rows from which an op whose weight is in RAM runs on a GPU (llama.cpp's choice):
 # below it, copying the weight over PCIe costs more than the CPU computing the product.
 OFFLOAD_MIN_BATCH = 32
+# Batches up to which runs of GPU steps are recorded and replayed as CUDA graphs: launch
+# overhead matters only where kernels are short.
+GRAPH_MAX_T = 8
 
 
 @dataclass
@@ -141,13 +149,13 @@ def make_splits(graph):
 class _Buffers(dict):
     """One backend's activation buffers, allocated when first asked for."""
 
-    def __init__(self, backend, graph):
+    def __init__(self, backend, graph, alloc=None):
         super().__init__()
-        self.backend, self.graph = backend, graph
+        self.graph, self.alloc = graph, alloc or backend.alloc
 
     def __missing__(self, name):
         b = self.graph.buffers[name]
-        arr = self[name] = self.backend.alloc(b.shape, b.dtype)
+        arr = self[name] = self.alloc(b.shape, b.dtype)
         return arr
 
 
@@ -155,9 +163,16 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     gpus = [name for name in backends if name != "CPU"]
     assign_backends(graph, weight_backend, policy, cfg, gpus[0] if gpus else None,
                     lambda layer: state.kv.backends[layer])
-    bufs = {name: _Buffers(be, graph) for name, be in backends.items()}
+    # Decoding with GPUs: host buffers pinned, so that copies run on the GPU's stream and a
+    # CUDA graph can hold them with the kernels (graph mode, see the module docstring).
+    graph_mode = graph.n_tokens <= GRAPH_MAX_T and gpus and all(
+        hasattr(backends[g], "graph_run") for g in gpus)
+    bufs = {name: _Buffers(be, graph, backends[gpus[0]].pinned_alloc
+                           if graph_mode and name == "CPU" else None)
+            for name, be in backends.items()}
     valid = {name: {"CPU"} for name in graph.inputs}
     steps, labels, copies = [], [], []
+    record_on = {}           # step index -> the GPU whose graph may hold it (graph mode)
 
     def ensure(name, where):
         """Make buffer `name` current on backend `where`, adding a copy step if needed."""
@@ -165,8 +180,13 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
             return
         src = "CPU" if "CPU" in valid[name] else sorted(valid[name])[0]
         s_arr, d_arr = bufs[src][name], bufs[where][name]
-        dst_be = backends[where]
-        steps.append(lambda: dst_be.copy_in(d_arr, s_arr))
+        if graph_mode and "CPU" in (src, where):      # host <-> GPU through pinned memory
+            gpu = where if src == "CPU" else src
+            record_on[len(steps)] = gpu
+            steps.append(backends[gpu].copy_async(d_arr, s_arr))
+        else:
+            dst_be = backends[where]
+            steps.append(lambda: dst_be.copy_in(d_arr, s_arr))
         labels.append((where, "COPY"))
         copies.append(Copy(name, src, where, int(s_arr.nbytes)))
         valid[name].add(where)
@@ -174,16 +194,40 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     for node in graph.nodes:
         for src in node.srcs:
             ensure(src, node.backend)
+        if graph_mode and node.backend != "CPU" and node.cause != "off":
+            record_on[len(steps)] = node.backend
         steps.append(backends[node.backend].bind(node, bufs[node.backend], state))
         labels.append((node.backend, node.op))
         for out in node.outs:
             valid[out] = {node.backend}
     if "logits" in valid:
         ensure("logits", "CPU")
+    if graph_mode:
+        steps, labels = _graph_runs(steps, labels, record_on, backends)
     host = {name: bufs["CPU"][name] for name in graph.inputs}
     if "logits" in valid:
         host["logits"] = bufs["CPU"]["logits"]
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
+
+
+def _graph_runs(steps, labels, record_on, backends):
+    """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
+    waits for its GPU at the end: the host reads or rewrites the pinned buffers next)."""
+    out_steps, out_labels, i = [], [], 0
+    while i < len(steps):
+        gpu = record_on.get(i)
+        if gpu is None:
+            out_steps.append(steps[i])
+            out_labels.append(labels[i])
+            i += 1
+            continue
+        j = i
+        while j < len(steps) and record_on.get(j) == gpu:
+            j += 1
+        out_steps.append(backends[gpu].graph_run(steps[i:j]))
+        out_labels.append((gpu, "GRAPH"))
+        i = j
+    return out_steps, out_labels
 
 
 def new_timing_table():

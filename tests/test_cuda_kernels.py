@@ -331,16 +331,18 @@ def test_attention(T, Dh, window, small):
     check("attention in place", dq.copy_to_host(), ref)
 
 
-@pytest.mark.parametrize("window", [0, 9])
-def test_attention_split(window, small, monkeypatch):
-    """T = 1 over 21 cached keys in spans of 4: five splits merged (the last one short)."""
+@pytest.mark.parametrize("window,pos0", [(0, 20), (9, 20), (0, 2)])
+def test_attention_split(window, pos0, small, monkeypatch):
+    """T = 1, a 24-slot cache in splits of 4 slots: six splits (window 9: two) share the keys
+    up to pos0; with pos0 = 2 three of them find no key and must weigh 0 in the merge. The
+    position comes from a device array, as in a replayed CUDA graph."""
     monkeypatch.setattr(att, "SPLIT_KEYS", 4)
-    H, Hkv, Dh, pos0 = 2, 1, 32, 20
+    H, Hkv, Dh = 2, 1, 32
     q, kc, vc, k_all, v_all = _attn_case(1, H, Hkv, Dh, pos0, C=24, seed=3)
     q *= 3  # peaked softmax, so the span maxima differ
     ref = naive.attention(q, k_all, v_all, pos0, 0.125, window)
     out = poisoned(q.shape)
-    att.attention(out, dev(q), kc, vc, pos0, 0.125, window)
+    att.attention(out, dev(q), kc, vc, dev(np.array([pos0], np.int32)), 0.125, window)
     check("attention split", out.copy_to_host(), ref)
 
 

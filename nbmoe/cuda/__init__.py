@@ -300,6 +300,11 @@ def ld_u32_a2(a, base, off):
     return ld_u16(a, base, off) | (ld_u16(a, base, off + 2) << np.uint32(16))
 
 
+def device_id():
+    """The current GPU's number (0 in the simulator): scratch buffers are kept per GPU."""
+    return 0 if SIM else cuda.get_current_device().id
+
+
 def is_available():
     """True when kernels can run: a CUDA GPU, or the simulator."""
     return SIM or cuda.is_available()

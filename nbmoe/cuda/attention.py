@@ -5,12 +5,14 @@ kv head, Dh head dim, C cache slots, n keys attended by one query, P key splits.
 
 Cache layout, per layer (as on the CPU): k_cache, v_cache uint16 [C, Hkv, Dh] device arrays of
 f16 bit patterns; attention loads them with ld_f16 (f16 -> float32 in hardware), store_kv
-writes through a float16 view. Token t of the batch sits at position pos0 + t.
+writes through a float16 view. Token t of the batch sits at position pos[t] = pos[0] + t, where
+pos is the graph's int32 positions buffer on the device: the kernels read the position there,
+not from a launch argument, so a captured CUDA graph replays unchanged for every token.
 """
 import numpy as np
 from numba import cuda
 
-from . import device_fn, expf, ld_f16, shfl_idx, warp_max, warp_sum
+from . import device_fn, device_id, expf, ld_f16, shfl_idx, warp_max, warp_sum
 
 f32 = np.float32
 NEG_INF = f32(-np.inf)
@@ -18,8 +20,8 @@ NEG_INF = f32(-np.inf)
 # Query heads (= warps) per attention block: consecutive heads share a kv head, so their
 # K / V rows are read from L1 once.
 HEADS_PER_BLOCK = 4
-# Key splits (flash-decoding) when T <= SPLIT_MAX_T: spans of >= SPLIT_KEYS keys, at most
-# MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
+# Key splits (flash-decoding) when T <= SPLIT_MAX_T: one per SPLIT_KEYS slots of the cache's
+# capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
 # (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
 SPLIT_KEYS = 64
@@ -30,10 +32,10 @@ _scratch = {}
 
 
 # ---------------------------------------------------------------- store_kv
-# k, v [T, Hkv, Dh] float32 -> cache rows pos0 .. pos0+T-1 as f16 (round to nearest even).
+# k, v [T, Hkv, Dh] float32 -> cache rows pos[t] as f16 (round to nearest even).
 
 @cuda.jit
-def store_kv_kernel(k_cache, v_cache, k, v, pos0):
+def store_kv_kernel(k_cache, v_cache, k, v, pos):
     Hkv, Dh = k.shape[1], k.shape[2]
     idx = cuda.grid(1)
     if idx < k.shape[0] * Hkv * Dh:
@@ -41,19 +43,30 @@ def store_kv_kernel(k_cache, v_cache, k, v, pos0):
         rem = idx - t * Hkv * Dh
         g = rem // Dh
         d = rem - g * Dh
-        k_cache[pos0 + t, g, d] = np.float16(k[t, g, d])
-        v_cache[pos0 + t, g, d] = np.float16(v[t, g, d])
+        k_cache[pos[t], g, d] = np.float16(k[t, g, d])
+        v_cache[pos[t], g, d] = np.float16(v[t, g, d])
 
 
-def store_kv(k_cache, v_cache, k, v, pos0, stream=0):
-    """Write k, v [T, Hkv, Dh] as f16 into cache rows pos0 .. pos0 + T - 1."""
+def positions(pos, T):
+    """pos as a device int32 array [T]: a device array as it is, an int pos0 -> pos0 + arange(T)
+    (uploaded: for tests and one-off calls; the engine passes its device positions buffer)."""
+    if isinstance(pos, (int, np.integer)):
+        if pos < 0:
+            raise ValueError("attention: negative position")
+        return cuda.to_device(np.arange(pos, pos + T, dtype=np.int32))
+    return pos
+
+
+def store_kv(k_cache, v_cache, k, v, pos, stream=0):
+    """Write k, v [T, Hkv, Dh] as f16 into cache rows pos[t] (pos: device int32 [T] or an int
+    pos0 for rows pos0 .. pos0 + T - 1). The caller keeps positions inside the cache."""
     T = k.shape[0]
-    if pos0 < 0 or pos0 + T > k_cache.shape[0]:
+    if isinstance(pos, (int, np.integer)) and pos + T > k_cache.shape[0]:
         raise ValueError("store_kv: rows pos0 .. pos0 + T - 1 are outside the KV cache")
     n = T * k.shape[1] * k.shape[2]
     if n:
         store_kv_kernel[(n + 255) // 256, 256, stream](
-            k_cache.view(np.float16), v_cache.view(np.float16), k, v, int(pos0))
+            k_cache.view(np.float16), v_cache.view(np.float16), k, v, positions(pos, T))
 
 
 # ---------------------------------------------------------------- attention
@@ -97,7 +110,7 @@ def _attention_kernel(Dh):
                 acc[c] += pb * ld_f16(cache, rb, 2 * d)
 
     @cuda.jit
-    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos0, scale, window):
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window):
         H = q.shape[1]
         Hkv = k_cache.shape[1]
         G = H // Hkv
@@ -108,7 +121,7 @@ def _attention_kernel(Dh):
         hh = min(h, H - 1)
         g = hh // G
         p = cuda.blockIdx.z
-        hi = pos0 + t + 1
+        hi = pos[0] + t + 1
         lo = max(0, hi - window) if window > 0 else 0
         span = (hi - lo + P - 1) // P
         a = lo + p * span
@@ -187,37 +200,42 @@ def merge_splits_kernel(out, part_acc, part_ml, P):
 def _buffer(name, shape):
     """A float32 device buffer of this shape, reused across calls (one stream at a time); the
     shaped view is cached too (slicing and reshaping a device array costs tens of us)."""
-    v = _scratch.get((name, shape))
+    key = (device_id(), name, shape)
+    v = _scratch.get(key)
     if v is None:
-        v = _scratch[(name, shape)] = cuda.device_array(shape, np.float32)
+        v = _scratch[key] = cuda.device_array(shape, np.float32)
     return v
 
 
-def attention(out, q, k_cache, v_cache, pos0, scale, window=0, stream=0):
+def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
-    The cache must already hold rows 0 .. pos0 + T - 1 (store_kv first). window > 0 limits
-    each query to its `window` most recent positions (itself included).
+    pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
+    The cache must already hold rows 0 .. pos[T-1] (store_kv first). window > 0 limits each
+    query to its `window` most recent positions (itself included). The number of key splits
+    follows the cache's capacity, not the current length, so the launch is the same for every
+    token (a CUDA graph can replay it); splits past the current keys find none and weigh 0.
     """
     T, H, Dh = q.shape
-    if pos0 < 0 or pos0 + T > k_cache.shape[0]:
-        raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
     if T == 0:
         return
-    n = pos0 + T if window == 0 else min(pos0 + T, window)    # keys of the last token
+    C = k_cache.shape[0]
+    if isinstance(pos, (int, np.integer)) and pos + T > C:
+        raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
+    cap = C if window == 0 else min(C, window)                # most keys a query can see
     P = 1
-    if T <= SPLIT_MAX_T and n >= 2 * SPLIT_KEYS:
-        P = min(MAX_SPLITS, n // SPLIT_KEYS)
+    if T <= SPLIT_MAX_T and cap >= 2 * SPLIT_KEYS:
+        P = min(MAX_SPLITS, cap // SPLIT_KEYS)
     hb = min(HEADS_PER_BLOCK, H)
     grid = (T, (H + hb - 1) // hb, P)
     kern = _attention_kernel(Dh)
-    kc, vc = k_cache, v_cache        # uint16 f16 bits, read by ld_f16
+    kc, vc, pos = k_cache, v_cache, positions(pos, T)         # cache: uint16 f16 bits, ld_f16
     if P == 1:
         dummy = _buffer("dummy", (1, 1, 1, 2))
-        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, int(pos0), f32(scale), int(window))
+        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, pos, f32(scale), int(window))
         return
     part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))       # splits p < P used
     part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, int(pos0), f32(scale), int(window))
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, pos, f32(scale), int(window))
     m = T * H * Dh
     merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P)

@@ -30,7 +30,7 @@ Kernels are built per (type, sizes) by small factories, compiled on first use an
 import numpy as np
 from numba import cuda
 
-from . import device_fn, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
+from . import device_fn, device_id, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
 from .quants import qtype_info, unit_cols
 
 f32 = np.float32
@@ -434,14 +434,19 @@ def _group_kernel():
 
 
 _scratch = {}
+_outgrown = []
 
 
 def _buffer(name, n, dtype):
-    """A flat device buffer of >= n elements reused across calls (one stream at a time): grown,
-    never shrunk, passed whole (kernels index it; slicing a device array costs host time)."""
-    b = _scratch.get(name)
+    """A flat device buffer of >= n elements reused across calls (one stream per GPU), one per
+    GPU: grown, never freed (a recorded CUDA graph may still use an outgrown one), passed
+    whole (kernels index it; slicing a device array costs host time)."""
+    key = (device_id(), name)
+    b = _scratch.get(key)
     if b is None or b.size < n:
-        b = _scratch[name] = cuda.device_array(max(n, 1), dtype)
+        if b is not None:
+            _outgrown.append(b)
+        b = _scratch[key] = cuda.device_array(max(n, 1), dtype)
     return b
 
 

@@ -1,0 +1,72 @@
+"""CUDA graphs: record a run of kernel launches once, replay it with one driver call.
+
+A numba launch costs ~15-40 us of host time (argument typing and packing in Python), and a
+token of a 48-layer MoE makes ~1300 of them: the GPU would wait on Python. A token's launches
+are the same every time (same buffers, same grids; positions are read from the device pos
+buffer, see attention.py), so the scheduler hands each run of consecutive GPU steps of a
+decode plan to a `GraphRun`: the first call runs the steps as they are (kernels compile,
+scratch buffers are allocated), the second records them into a CUDA graph by stream capture,
+and from then on one cuGraphLaunch replays the whole run. Copies between the GPU and pinned
+host buffers are recorded too; a run ends by waiting for its stream, since the host reads
+what it copied out, or writes the next inputs into the buffers it copied in.
+
+What a recorded run must not do: launch on another stream, copy to or from the host, or
+allocate (relaxed capture mode lets an allocation through, but the replay would reuse the
+address of a buffer that may since have been freed: the scratch buffers therefore are never
+freed, see matmul._buffer). Offloaded products (host uploads) are never recorded.
+NBMOE_NO_GRAPHS=1 turns recording off. The simulator has no graphs: runs stay plain.
+"""
+import os
+
+from . import SIM
+
+ENABLED = os.environ.get("NBMOE_NO_GRAPHS", "") != "1" and not SIM
+
+
+def _check(result):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver: {err!r}")
+    return result[1] if len(result) > 1 else None
+
+
+class GraphRun:
+    """steps: the closures of consecutive GPU steps, all launching on `stream` (numba)."""
+
+    def __init__(self, steps, stream):
+        self.steps, self.stream = steps, stream
+        self.calls, self.exec = 0, None
+
+    def __call__(self):
+        if self.exec is None:
+            self.calls += 1
+            if self.calls == 1 or not ENABLED:    # first call: compile and allocate
+                for step in self.steps:
+                    step()
+                self.stream.synchronize()
+                return
+            self._record()
+        _check(self._drv.cuGraphLaunch(self.exec, self._hstream))
+        self.stream.synchronize()
+
+    def _record(self):
+        from cuda.bindings import driver as drv
+        self._drv = drv
+        self._hstream = drv.CUstream(int(self.stream.handle))
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _check(drv.cuStreamBeginCapture(self._hstream, mode))
+        try:
+            for step in self.steps:
+                step()
+        finally:
+            graph = _check(drv.cuStreamEndCapture(self._hstream))
+        self.graph = graph
+        self.exec = _check(drv.cuGraphInstantiate(graph, 0))
+
+    def __del__(self):
+        if getattr(self, "exec", None) is not None:
+            try:
+                self._drv.cuGraphExecDestroy(self.exec)
+                self._drv.cuGraphDestroy(self.graph)
+            except Exception:   # interpreter shutdown: the driver may be gone already
+                pass

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
+#   bash tools/gpu_report.sh [tests] [model] [bench-gpu] [bench-hybrid] [kernels]
+# Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
+# (default /tmp/q3moe-30b.gguf, made when missing). Each step has its own time limit.
+set -u
+OUT=${OUT:-gpu_report}; mkdir -p "$OUT"
+MODEL=${MODEL:-/tmp/q3moe-30b.gguf}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+steps=${*:-tests model bench-gpu bench-hybrid}
+
+step() {   # name, seconds, command...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name ($(date +%T))"
+    timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "=== $name: exit ${PIPESTATUS[0]} ($(date +%T))"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for s in $steps; do case $s in
+  tests) NBMOE_REAL_GPU=1 step tests 400 python -m pytest -q -x tests/test_cuda_kernels.py tests/test_hybrid.py ;;
+  model) [ -f "$MODEL" ] || step model 300 python tools/make_model.py --preset qwen3-30b-a3b \
+             --type exps=Q4_0 --type default=Q8_0 -o "$MODEL" ;;
+  bench-gpu) step bench-gpu 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 128 \
+             -ub 512,2048 -r 2 -t 16 ;;
+  bench-hybrid) step bench-hybrid 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU \
+             -t 16 -p 512,2048 -n 128 -ub 512,2048 -r 2 --timings ;;
+  kernels) step kernels 300 python -m nbmoe.cuda.matmul ;;
+  *) echo "unknown step $s"; exit 2 ;;
+esac; done
