@@ -46,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--explain", action="store_true",
                    help="print where every tensor lives and the schedule (splits, copies, causes)")
     p.add_argument("--timings", action="store_true",
-                   help="print the time per op type, copies and overhead of the tg test")
+                   help="print the time per op type, copies and overhead of each test "
+                        "(per token; GPU steps are waited for, GRAPH = a replayed CUDA graph)")
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
     args.ngl_list = int_list(args.n_gpu_layers)
@@ -151,8 +152,8 @@ def main(argv=None):
                         if args.output == "md":
                             err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} t={threads}: "
                                               f"{rows[-1]['avg_ts']:.2f} t/s")
-                        if args.timings and kind == "tg":
-                            show_timings(llm, n, rng)
+                        if args.timings:
+                            show_timings(llm, kind, n, args.batch_size, rng)
         print_rows(rows, args.output, facts)
 
 
@@ -168,16 +169,25 @@ def explain(llm, ubatch):
     console.print(legend())
 
 
-def show_timings(llm, n_gen, rng):
-    """Generate n_gen tokens with every step timed; print the breakdown."""
+def show_timings(llm, kind, n, n_batch, rng):
+    """Run the test once more with every step timed (GPU steps waited for); print the
+    breakdown per token."""
     from .explain import timings_table
     from .scheduler import new_timing_table
     llm.reset()
-    acc, tok = new_timing_table(), int(rng.integers(0, llm.cfg.n_vocab))
+    acc = new_timing_table()
     t0 = time.perf_counter()
-    for _ in range(n_gen):
-        llm._decode([tok], all_logits=False, timings=acc)
-    Console(stderr=True, width=200).print(timings_table(acc, time.perf_counter() - t0, n_gen))
+    if kind == "pp":
+        ids = rng.integers(0, llm.cfg.n_vocab, n).tolist()
+        for s in range(0, n, n_batch):
+            llm._decode(ids[s:s + n_batch], all_logits=False, timings=acc)
+    else:
+        tok = int(rng.integers(0, llm.cfg.n_vocab))
+        for _ in range(n):
+            llm._decode([tok], all_logits=False, timings=acc)
+    table = timings_table(acc, time.perf_counter() - t0, n)
+    table.title = f"{kind}{n}: " + (table.title or "")
+    Console(stderr=True, width=200).print(table)
 
 
 def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):

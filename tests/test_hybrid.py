@@ -105,13 +105,23 @@ def test_offload_policy_switches(model):
     assert {n.cause for n in g.nodes if n.op == "MUL_MAT_ID"} == {"off"}
 
 
-def test_offloaded_experts_match_cpu(model, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_offloaded_experts_match_cpu(model, monkeypatch, prefetch):
     """A batch over the expert threshold: chosen experts are uploaded and run on the GPU
-    (threshold patched from 32 rows to 2, so 4 tokens are enough in the simulator)."""
+    (threshold patched from 32 rows to 2, so 4 tokens are enough in the simulator). With
+    prefetch (pairs per expert patched down to 1) every expert tensor is uploaded whole on the
+    copy stream, double-buffered; the prompt runs twice, so slots are reused across runs."""
+    from nbmoe import backend_cuda
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
+    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1 if prefetch else 10**6)
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
     ids = [3, 44, 100, 7]
-    got = llm.eval(ids)
+    for _ in range(2 if prefetch else 1):
+        llm.reset()
+        got = llm.eval(ids)
+        assert close(got, cpu_logits(model, ids))
     assert {n.cause for n in llm.plan(4, 4).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
-    assert close(got, cpu_logits(model, ids))
-    assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
+    if prefetch:     # 2 runs x 2 layers x (gate, up, down), each uploaded whole once
+        assert llm.backends["CUDA0"].prefetched_uploads == 2 * MOE["n_layer"] * 3
+    else:
+        assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]

@@ -30,7 +30,7 @@ Kernels are built per (type, sizes) by small factories, compiled on first use an
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
+from . import SIM, device_fn, device_id, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
 from .quants import qtype_info, unit_cols
 
 f32 = np.float32
@@ -44,10 +44,13 @@ MMV_MAX_T = 8
 INT8_DOT = True
 # Weight rows (= warps) per matrix-vector block.
 MMV_WARPS = 4
-# Tiled kernel: out tile TILE_M rows x TILE_T tokens, RM x RT per thread.
-TILE_M, TILE_T, TILE_RM, TILE_RT = 64, 64, 4, 4
-# mul_mat_id tiles hold fewer tokens: experts get N / E tokens each on average.
-TILE_T_ID = 32
+# Tiled kernel: out tile TILE_M rows x TILE_T tokens, RM x RT per thread; mul_mat_id tiles
+# hold TILE_T_ID tokens (experts get N / E tokens each on average). Measured on the H200
+# (tools/cuda_tile_sweep.py, Q4_0 / Q8_0, T=512 4096x2048 and 2048 tokens x 8 of 128 experts
+# 768x2048): 128x128 8x8 id 64: 13.4 / 12.3 TFLOP/s; 64x64 4x4 id 32: 10.2 / 9.7. The simulator
+# keeps the small tiles (the same code; its cost grows with the work per thread).
+TILE_M, TILE_T, TILE_RM, TILE_RT = (64, 64, 4, 4) if SIM else (128, 128, 8, 8)
+TILE_T_ID = 32 if SIM else 64
 # Experts the grouping kernel handles (shared-memory counters).
 MAX_E = 1024
 # Threads of the get_rows / dequantize kernels (one unit each).
