@@ -206,10 +206,45 @@ class CUDABackend(Backend):
             b = self.scratch[key] = self.alloc((n,), np.uint8)
         return b[:n].reshape(shape)
 
+    # -- products: one x quantization for consecutive products of the same input -----------
+    # (q, k, v of a layer; gate and up.) Binding follows run order, so when the node bound just
+    # before on this GPU quantized the same buffer, nothing wrote it since: a writer would have
+    # been bound in between, and a copy into it would mean it was not valid here before.
+    _x_key = None
+
+    def bind(self, node, buf, state):
+        self._prev_x_key, self._x_key = self._x_key, None
+        return super().bind(node, buf, state)
+
+    def _x_ready(self, node, buf, qtype, T, K):
+        key = (id(buf), node.srcs[0])
+        if self.mm.quantizes_x(qtype, T, K):
+            self._x_key = key
+        return key == self._prev_x_key
+
+    def _resident_mul_mat(self, node, buf):
+        w, qtype = self.weight(node.weight)
+        shape = tuple(w.shape)
+        w = w.reshape(int(np.prod(shape[:-1])), shape[-1])
+        out, x, mm = buf[node.out], buf[node.srcs[0]], self.mm
+        out, x = out.reshape(out.shape[0], -1), x.reshape(x.shape[0], -1)
+        K = mm.row_values(qtype, w.shape[len(w.shape) - 1])
+        ready = self._x_ready(node, buf, qtype, x.shape[0], K)
+        return lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready)
+
+    def _resident_mul_mat_id(self, node, buf):
+        w, qtype = self.weight(node.weight)
+        out, x, ids, mm = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]], self.mm
+        if len(x.shape) == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
+        K = mm.row_values(qtype, w.shape[len(w.shape) - 1])
+        ready = self._x_ready(node, buf, qtype, x.shape[0], K)
+        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready)
+
     # -- offloaded matrix ops (weight in RAM) ------------------------------------------------
     def bind_mul_mat(self, node, buf, state):
         if node.weight in self.resident:
-            return super().bind_mul_mat(node, buf, state)
+            return self._resident_mul_mat(node, buf)
         t = self.tensors[node.weight]
         host = self.host_copy(node.weight).reshape(-1, t.data.shape[-1])
         w, qtype, mm = self.scratch_buffer("mul_mat", host.shape), int(t.ggml_type), self.mm
@@ -223,7 +258,7 @@ class CUDABackend(Backend):
 
     def bind_mul_mat_id(self, node, buf, state):
         if node.weight in self.resident:
-            return super().bind_mul_mat_id(node, buf, state)
+            return self._resident_mul_mat_id(node, buf)
         t = self.tensors[node.weight]
         host = self.host_copy(node.weight)                         # [E, M, row_bytes]
         qtype, mm, cuda = int(t.ggml_type), self.mm, self.cuda

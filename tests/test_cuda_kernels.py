@@ -158,6 +158,22 @@ def test_quantize_x_nan(small):
     assert np.isnan(out.copy_to_host()).all()
 
 
+def test_x_ready_reuses_the_quantized_x(small):
+    """Two products of one x: the second (x_ready) skips quantization and reads the first's
+    xq, xds; equal to quantizing again. A product of another x in between would be wrong,
+    which the backend rules out (backend_cuda._x_ready)."""
+    M, K = 7, 64
+    w1, _ = quantize(rnd(M, K, seed=8), "Q4_0")
+    w2, _ = quantize(rnd(M, K, seed=9), "Q8_0")
+    x = dev(rnd(2, K, seed=10))
+    assert matmul.quantizes_x(int(Q["Q4_0"]), 2, K)
+    want, got = poisoned((2, M)), poisoned((2, M))
+    matmul.mul_mat(want, dev(w2), x, int(Q["Q8_0"]))
+    matmul.mul_mat(poisoned((2, M)), dev(w1), x, int(Q["Q4_0"]))
+    matmul.mul_mat(got, dev(w2), x, int(Q["Q8_0"]), x_ready=True)
+    assert np.array_equal(got.copy_to_host(), want.copy_to_host())
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_mul_mat_tiled(name, small, monkeypatch):
     """T = 11 tokens, tiles of 16 rows x 8 tokens: partial row and token tiles, 2 k-steps."""

@@ -125,3 +125,19 @@ def test_offloaded_experts_match_cpu(model, monkeypatch, prefetch):
         assert llm.backends["CUDA0"].prefetched_uploads == 2 * MOE["n_layer"] * 3
     else:
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
+
+
+def test_shared_x_quantization_is_exact(model, monkeypatch):
+    """On the int8 path, q/k/v and gate/up quantize their input once (backend_cuda._x_ready):
+    the logits equal those with a quantization per product, and the sharing did happen."""
+    from nbmoe import backend_cuda
+    from nbmoe.cuda import matmul as cuda_matmul
+    monkeypatch.setattr(cuda_matmul, "INT8_DOT", True)
+    flags = []
+    ready = backend_cuda.CUDABackend._x_ready
+    monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready",
+                        lambda *a: flags.append(ready(*a)) or flags[-1])
+    shared = load(model, n_gpu_layers=99).eval(PROMPT)
+    assert sum(flags) == MOE["n_layer"] * 3          # k, v, up reuse the x of q, k, gate
+    monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready", lambda *a: False)
+    assert np.array_equal(shared, load(model, n_gpu_layers=99).eval(PROMPT))

@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, device_fn, device_id, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
-from .quants import qtype_info, unit_cols
+from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 
 f32 = np.float32
 i32 = np.int32
@@ -158,13 +158,21 @@ def quantize_x_kernel(xq, xds, x, n_words):
             xds[idx // 4 + 1] = d * f32(sq)
 
 
-def _quantize_x(x, n_rows, K, stream):
-    """x (n_rows rows of K) -> (xq, xds) in reused flat device buffers (one stream at a time)."""
+def _quantize_x(x, n_rows, K, stream, ready=False):
+    """x (n_rows rows of K) -> (xq, xds) in reused flat device buffers (one stream at a time).
+    ready: the buffers already hold this x (the previous product quantized the same input)."""
     n = n_rows * K // 4
     xq = _buffer("xq", n, np.int32)
     xds = _buffer("xds", n // 4, np.float32)
-    quantize_x_kernel[(n + 127) // 128, 128, stream](xq, xds, x, n)
+    if not ready:
+        quantize_x_kernel[(n + 127) // 128, 128, stream](xq, xds, x, n)
     return xq, xds
+
+
+def quantizes_x(qtype, T, K):
+    """Whether a product of T tokens with this weight type quantizes x (then a next product of
+    the same x may pass x_ready=True and skip that launch)."""
+    return T <= MMV_MAX_T and _int8(qtype, K)
 
 
 # ---------------------------------------------------------------- matrix-vector, int8 x
@@ -516,8 +524,9 @@ def _rb_k(w, qtype):
     return rb, rb // t.size * t.block
 
 
-def mul_mat(out, w, x, qtype, stream=0):
-    """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device."""
+def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
+    """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device.
+    x_ready: x is the one the previous product quantized (see quantizes_x)."""
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
@@ -531,13 +540,13 @@ def mul_mat(out, w, x, qtype, stream=0):
     nt = min(T, MMV_MAX_T)      # float rows of odd length at T > MMV_MAX_T: chunks of tokens
     grid = ((M + MMV_WARPS - 1) // MMV_WARPS, (T + nt - 1) // nt)
     if _int8(qtype, K):
-        xq, xds = _quantize_x(x, T, K, stream)
+        xq, xds = _quantize_x(x, T, K, stream, x_ready)
         _mmv_q8_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, RB, K)
     else:
         _mmv_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
 
-def mul_mat_id(out, w, x, ids, qtype, stream=0):
+def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):
     """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
     x [T, X, K], ids int32 [T, A] on the device."""
     RB, K = _rb_k(w, qtype)
@@ -550,7 +559,7 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0):
     if T <= MMV_MAX_T or K % 32 != 0:
         grid = ((M + MMV_WARPS - 1) // MMV_WARPS, N)
         if _int8(qtype, K):
-            xq, xds = _quantize_x(x, T * X, K, stream)
+            xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
             _mmv_id_q8_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, ids, X, RB, K)
         else:
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
