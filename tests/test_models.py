@@ -66,3 +66,26 @@ def test_eval_in_pieces_equals_eval_at_once(tiny_model):
     llm.reset()
     parts = np.concatenate([llm.eval(PROMPT[:5]), llm.eval(PROMPT[5:6]), llm.eval(PROMPT[6:])])
     assert np.abs(whole - parts).max() <= 1e-4 * np.abs(whole).max()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS"])
+def test_kquant_and_iq_models_match_reference(tiny_model, qtype, monkeypatch):
+    """Models made of 256-value block types (tools/make_model.py quantizes them with the
+    reference quantizers): every row length a multiple of 256. The exact float path as above,
+    and the int8 path at the MoE median."""
+    path = tiny_model("qwen3moe", n_embd=256, head_dim=64, n_ff=256, n_ff_exp=256,
+                      default_type=qtype)
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    llm = nbmoe.load(path, n_ctx=64, threads=2)
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    cos = cosine_rows(llm.eval(PROMPT), want)
+    print(f"qwen3moe {qtype}: min cosine {cos.min():.6f}")
+    assert cos.min() >= 0.999
+    llm.reset()
+    ours = list(llm.generate_ids(PROMPT, max_tokens=16, stop_ids=()))
+    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 16)
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    llm = nbmoe.load(path, n_ctx=64, threads=2)
+    cos = cosine_rows(llm.eval(PROMPT), want)
+    print(f"qwen3moe {qtype} int8: cosine min {cos.min():.6f} median {np.median(cos):.6f}")
+    assert np.median(cos) >= 0.999

@@ -11,6 +11,7 @@ random from a pool of pre-quantized N(0, std) blocks: every value is a quantized
 are distinct, and a 30B-shape file writes at memory speed rather than at RNG + quantize speed.
 """
 import argparse
+import functools
 import math
 import os
 import re
@@ -21,9 +22,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 
-from nbmoe.default_model import dense_smollm2_path
-from nbmoe.errors import NbmoeError
-from nbmoe.upcycle import read_metadata
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the reference quantizers
+import ref_quant  # noqa: E402
+import ref_quant_iq  # noqa: E402
+
+from nbmoe.default_model import dense_smollm2_path  # noqa: E402
+from nbmoe.errors import NbmoeError  # noqa: E402
+from nbmoe.upcycle import read_metadata  # noqa: E402
 
 
 def _gguf_quantizer(type_name):
@@ -31,10 +36,15 @@ def _gguf_quantizer(type_name):
     return lambda x: quantize(x, qtype)
 
 
-# Type name -> f(float32 [n, block]) -> that type's bytes. K-quants and IQ types join this
-# table when the kernels add reference quantizers for them.
+# Type name -> f(float32 [n, K]) -> that type's bytes: gguf-py's quantizers where it has one,
+# our reference quantizers (tools/ref_quant.py, tools/ref_quant_iq.py) for the K-quants and
+# IQ types it cannot make.
 QUANTIZERS = {name: _gguf_quantizer(name) for name in
               ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")}
+QUANTIZERS.update({name: functools.partial(ref_quant.quantize, type_name=name)
+                   for name in ref_quant.QUANTIZERS})
+QUANTIZERS.update({name: functools.partial(ref_quant_iq.quantize, name=name)
+                   for name in ref_quant_iq.NAMES})
 
 POOL_VALUES = 1 << 21  # values per block pool: 64k Q8_0 blocks
 
