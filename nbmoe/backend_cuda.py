@@ -156,10 +156,10 @@ class CUDABackend(Backend):
     def synchronize(self):
         self.cuda.synchronize()
 
-    def graph_run(self, steps):
+    def graph_run(self, steps, labels=()):
         """One step that replays these steps (launches and copies on this GPU's stream) as a
         CUDA graph, then waits for it."""
-        return self.graphs.GraphRun(steps, self.stream)
+        return self.graphs.GraphRun(steps, self.stream, labels)
 
     def pinned_alloc(self, shape, dtype):
         """A page-locked host array (decode plans' host buffers: async, recordable copies)."""

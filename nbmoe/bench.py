@@ -47,7 +47,7 @@ def parse_args(argv=None):
                    help="print where every tensor lives and the schedule (splits, copies, causes)")
     p.add_argument("--timings", action="store_true",
                    help="print the time per op type, copies and overhead of each test "
-                        "(per token; GPU steps are waited for, GRAPH = a replayed CUDA graph)")
+                        "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
     args.ngl_list = int_list(args.n_gpu_layers)

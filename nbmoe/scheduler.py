@@ -15,8 +15,8 @@ buffer not valid on its backend gets a copy step right before it.
 
 Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecutive GPU
 steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
-kernel; copies and offloaded products stay outside. --timings then shows such a run as one
-GRAPH entry (NBMOE_NO_GRAPHS=1 for the per-op times of plain launches).
+kernel; copies and offloaded products stay outside. --timings replays each step of such a run
+as a graph of its own between CUDA events: per-op device times.
 """
 import time
 from collections import defaultdict
@@ -98,9 +98,13 @@ class Plan:
 
     def run_timed(self, acc):
         """Like run, but each step is timed (GPU steps synchronised first, so their time is
-        their own): acc[(backend, op)] += seconds; copies are ("COPY", dst)."""
+        their own): acc[(backend, op)] += seconds; copies are ("COPY", dst). The steps of a
+        recorded CUDA graph are timed one by one on the GPU (GraphRun.run_timed)."""
         clock = time.perf_counter
         for (backend, what), step in zip(self.labels, self.steps):
+            if hasattr(step, "run_timed") and not _sim():
+                step.run_timed(acc)
+                continue
             t0 = clock()
             step()
             self.backends[backend].synchronize()
@@ -224,10 +228,15 @@ def _graph_runs(steps, labels, record_on, backends):
         j = i
         while j < len(steps) and record_on.get(j) == gpu:
             j += 1
-        out_steps.append(backends[gpu].graph_run(steps[i:j]))
+        out_steps.append(backends[gpu].graph_run(steps[i:j], labels[i:j]))
         out_labels.append((gpu, "GRAPH"))
         i = j
     return out_steps, out_labels
+
+
+def _sim():
+    from .cuda import SIM
+    return SIM
 
 
 def new_timing_table():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
-#   bash tools/gpu_report.sh [tests] [model] [bench-gpu] [bench-hybrid] [kernels]
+#   bash tools/gpu_report.sh [tests] [model] [bench-gpu] [bench-hybrid] [kernels] [tiles] [profile]
 # Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
 # (default /tmp/q3moe-30b.gguf, made when missing). Each step has its own time limit.
 set -u
@@ -18,7 +18,8 @@ step() {   # name, seconds, command...
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for s in $steps; do case $s in
-  tests) NBMOE_REAL_GPU=1 step tests 400 python -m pytest -q -x tests/test_cuda_kernels.py tests/test_hybrid.py ;;
+  tests) NBMOE_REAL_GPU=1 step tests 400 python -m pytest -q -x tests/test_cuda_kernels.py \
+             tests/test_cuda_kquants.py tests/test_hybrid.py ;;
   model) [ -f "$MODEL" ] || step model 300 python tools/make_model.py --preset qwen3-30b-a3b \
              --type exps=Q4_0 --type default=Q8_0 -o "$MODEL" ;;
   bench-gpu) step bench-gpu 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 128 \
@@ -26,5 +27,9 @@ for s in $steps; do case $s in
   bench-hybrid) step bench-hybrid 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU \
              -t 16 -p 512,2048 -n 128 -ub 512,2048 -r 2 --timings ;;
   kernels) step kernels 300 python -m nbmoe.cuda.matmul ;;
+  tiles) step tiles 300 python tools/cuda_tile_sweep.py ;;
+  profile) command -v nsys >/dev/null || { echo "no nsys"; continue; }
+           step profile 300 nsys profile -o /tmp/nbmoe-tg --force-overwrite true --stats=true \
+             python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 32 -r 1 ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done

@@ -31,11 +31,12 @@ def _check(result):
 
 
 class GraphRun:
-    """steps: the closures of consecutive GPU steps, all launching on `stream` (numba)."""
+    """steps: the closures of consecutive GPU steps, all launching on `stream` (numba);
+    labels: their (backend, op) for timings; wait: end each call by waiting for the stream."""
 
-    def __init__(self, steps, stream):
-        self.steps, self.stream = steps, stream
-        self.calls, self.exec = 0, None
+    def __init__(self, steps, stream, labels=(), wait=True):
+        self.steps, self.stream, self.labels, self.wait = steps, stream, labels, wait
+        self.calls, self.exec, self._singles = 0, None, None
 
     def __call__(self):
         if self.exec is None:
@@ -43,11 +44,27 @@ class GraphRun:
             if self.calls == 1 or not ENABLED:    # first call: compile and allocate
                 for step in self.steps:
                     step()
-                self.stream.synchronize()
-                return
-            self._record()
-        _check(self._drv.cuGraphLaunch(self.exec, self._hstream))
-        self.stream.synchronize()
+            else:
+                self._record()
+        if self.exec is not None:
+            _check(self._drv.cuGraphLaunch(self.exec, self._hstream))
+        if self.wait:
+            self.stream.synchronize()
+
+    def run_timed(self, acc):
+        """Run the steps, each replayed as a graph of its own between two CUDA events:
+        acc[label] += its device time in seconds (the first call of each still launches
+        plainly, so its time includes the host's launch)."""
+        from numba import cuda
+        if self._singles is None:
+            self._singles = [GraphRun([s], self.stream, wait=False) for s in self.steps]
+        for label, single in zip(self.labels, self._singles):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(self.stream)
+            single()
+            e1.record(self.stream)
+            e1.synchronize()
+            acc[label] += e0.elapsed_time(e1) / 1e3
 
     def _record(self):
         from cuda.bindings import driver as drv
