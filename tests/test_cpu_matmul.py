@@ -7,6 +7,10 @@ Odd M everywhere; T = 17 >= matmul.BLAS_MIN_T takes the dequantize + BLAS path, 
 matrix-vector path, run both ways: integer dots (x rounded to 8-bit blocks: compared with the
 float64 product of the rounded x, 1e-5, and loosely with the exact one) and float dots.
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -210,3 +214,70 @@ def test_mul_mat_id_repeated_expert_in_token():
     out = np.full((2, A, M), np.nan, np.float32)
     matmul.mul_mat_id(out, w, x, ids, int(Q.Q4_1))
     assert max_rel(out, ref_mul_mat_id(w, "Q4_1", x, ids, rounded=True)) < RTOL
+
+
+# ---------------------------------------------------------------- Q4_0 / Q4_1 / Q8_0 int8 kernels
+# Two rows per step and 4 blocks per call, then a pair and a single block (quants_int8.dot_rows_b32):
+# K = 224 is 4 + 2 + 1 blocks, 576 (SmolLM2) 16 + 2; odd M leaves a row alone; T = 1 takes items
+# of ~ITEM_BYTES rows (matmul.item_rows), shrunk here so several items run.
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("K", [224, 576])
+@pytest.mark.parametrize("T", [1, 2])
+def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    M = 41
+    w = quantize(rnd(M, K, seed=12), name)
+    x = rnd(T, K, seed=13)
+    x[0, 5] = 40.0  # one large value: its block's scale differs from the rest
+    wd = ref_dequant(w, name, K)
+    out = np.full((T, M), np.nan, np.float32)
+    matmul.mul_mat(out, w, x, int(Q[name]))
+    assert max_rel(out, x_rounded(x) @ wd.T) < RTOL
+    assert max_rel(out, x.astype(np.float64) @ wd.T) < RTOL_X8
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_mul_mat_id_int8_blocks(name, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    E, A, M, K = 5, 2, 23, 224
+    w = quantize(rnd(E, M, K, seed=14), name)
+    x = rnd(1, A, K, seed=15)
+    ids = np.array([[4, 1]], np.int32)
+    out = np.full((1, A, M), np.nan, np.float32)
+    matmul.mul_mat_id(out, w, x, ids, int(Q[name]))
+    assert max_rel(out, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
+
+
+def test_item_rows(monkeypatch):
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    assert matmul.item_rows(100, 360, 3) == matmul.ITEM_ROWS        # several tokens: L1-sized runs
+    rows = matmul.item_rows(101, 360, 1)                              # one token: ~ITEM_BYTES, even
+    assert rows % 2 == 0 and 2 <= rows and rows * 360 <= 2 * 1000
+    assert matmul.item_rows(3, 360, 1) == 2
+
+
+def test_int8_generic_dot():
+    """The portable dot4 (NBMOE_NO_VNNI=1: widen, multiply, add pairs) gives the same sums."""
+    code = (
+        "import numpy as np, nbmoe\n"
+        "from gguf import GGMLQuantizationType as Q\n"
+        "from gguf.quants import quantize, dequantize\n"
+        "from nbmoe.cpu import matmul, quants_int8\n"
+        "assert not quants_int8.HAS_VNNI\n"
+        "matmul.INT8_DOT = True\n"
+        "rng = np.random.default_rng(0)\n"
+        "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "    w = np.ascontiguousarray(quantize(rng.standard_normal((7, 224), dtype=np.float32), Q[name]).view(np.uint8))\n"
+        "    x = rng.standard_normal((1, 224), dtype=np.float32)\n"
+        "    out = np.empty((1, 7), np.float32)\n"
+        "    matmul.mul_mat(out, w, x, int(Q[name]))\n"
+        "    ref = x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
+        "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
+        "print('ok')\n")
+    env = dict(os.environ, NBMOE_NO_VNNI="1")
+    env.pop("NUMBA_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

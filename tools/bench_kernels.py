@@ -7,7 +7,9 @@ measured in the same run, the expert product of one token, and batched GFLOP/s a
 Every case is checked against gguf-py's dequantization + a float64 product before it is
 timed. T=1 calls walk through weight copies larger than the L3, so every call reads its
 weights from memory (the min over single calls would pick calls whose copies were still in
-the L3 from being written). Ratio = weight bytes per second / streaming read.
+the L3 from being written). Ratio = weight bytes per second / streaming read. On a shared
+machine both swing: the walk is the best of --reps, the streaming read the best of one
+measurement before each type (--reps 5 for comparisons).
 """
 import argparse
 import json
@@ -52,12 +54,15 @@ def best_time(fn, n):
     return best
 
 
-def walk_time(fn, n, reps=2):
+REPS = 2  # walks per case (--reps)
+
+
+def walk_time(fn, n, reps=None):
     """Seconds per call of fn(0..n-1) (each on other weight copies): best of `reps` walks."""
     for i in range(n):
         fn(i)
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(reps or REPS):
         t0 = time.perf_counter()
         for i in range(n):
             fn(i)
@@ -103,20 +108,21 @@ def bench_type(name, a, bw, rng):
     qt = int(GGMLQuantizationType[name])
     paths = (True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)
     rows = []
-    for shape in a.shapes.split(","):
+    for shape in filter(None, a.shapes.split(",")):
         M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue  # rows of 576 do not hold 256-value super-blocks
         ws = copies(weights(rng, qt, M, K), a.copy_mb)
         x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
+        step = matmul.item_rows(M, ws[0].shape[1], 1)
         for int8 in paths:
-            matmul._mul_mat_vec(out, ws[0], x, qt, int8)
+            matmul._mul_mat_vec(out, ws[0], x, qt, int8, step)
             err = check(out, ws[0], x, qt, 1.5e-2 if int8 else 1e-4)
-            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, qt, int8), len(ws))
+            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, qt, int8, step), len(ws))
             gbs = ws[0].nbytes / t / 1e9
             rows.append(dict(type=name, test=f"mat-vec {M}x{K}", path="int8" if int8 else "float",
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=2 * M * K / t / 1e9, rel_err=err))
-    for shape in a.moe.split(","):   # one token through 8 experts; calls walk through all E
+    for shape in filter(None, a.moe.split(",")):   # one token through 8 experts; calls walk through all E
         E, M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue
@@ -124,15 +130,16 @@ def bench_type(name, a, bw, rng):
         ws = copies(np.ascontiguousarray(np.broadcast_to(w1, (E,) + w1.shape)), a.copy_mb)
         x, out = rng.standard_normal((1, 8, K), dtype=np.float32), np.empty((1, 8, M), np.float32)
         ids = [np.arange(8 * i, 8 * i + 8, dtype=np.int32).reshape(1, 8) % E for i in range(E // 8)]
+        step = matmul.item_rows(M, w1.shape[1], 1)
         for int8 in paths:
-            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], qt, 9, int8)
+            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], qt, 9, int8, step)
             err = check(out[0, 0:1], w1, x[0, 0:1], qt, 1.5e-2 if int8 else 1e-4)
             t = walk_time(lambda i: matmul._mul_mat_id_vec(out, ws[i // len(ids) % len(ws)], x,
-                                                           ids[i % len(ids)], qt, 9, int8), len(ids) * len(ws))
+                                                           ids[i % len(ids)], qt, 9, int8, step), len(ids) * len(ws))
             gbs = 8 * w1.nbytes / t / 1e9
             rows.append(dict(type=name, test=f"experts {E}x{M}x{K} A=8", path="int8" if int8 else "float",
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=16 * M * K / t / 1e9, rel_err=err))
-    for shape in a.gemm.split(","):
+    for shape in filter(None, a.gemm.split(",")):
         M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue
@@ -147,6 +154,7 @@ def bench_type(name, a, bw, rng):
 
 
 def main(argv=None):
+    global REPS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS, help="Numba threads")
     p.add_argument("--types", default=ALL_TYPES, help="comma-separated GGUF types")
@@ -154,16 +162,21 @@ def main(argv=None):
     p.add_argument("--moe", default="128x2048x768", help="ExMxK list, one token's 8 experts")
     p.add_argument("--gemm", default="4096x4096", help="MxK list, T=512 batched product")
     p.add_argument("--copy-mb", type=float, default=400, help="MB of weight copies walked through")
+    p.add_argument("--reps", type=int, default=2, help="walks per case (the best is kept)")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = p.parse_args(argv)
+    REPS = a.reps
     numba.set_num_threads(a.threads)
-    bw = stream_bandwidth()
     rng = np.random.default_rng(0)
-    rows = []
+    rows, bws = [], []
     console = Console(stderr=True)
     for name in a.types.split(","):
         with console.status(f"{name}"):
-            rows += bench_type(name.strip(), a, bw, rng)
+            bws.append(stream_bandwidth())
+            rows += bench_type(name.strip(), a, bws[-1], rng)
+    bw = max(bws)
+    for r in rows:
+        r["ratio"] = None if r["gbs"] is None else r["gbs"] / bw
     if a.output == "json":
         print(json.dumps(dict(threads=a.threads, read_bw_gbs=bw, rows=rows), indent=2))
         return

@@ -22,11 +22,13 @@ Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool.
 """
 import os
 
+import numba
 import numpy as np
 from numba import njit, prange
 
 from .quants import TYPES, dequant_rows, dot_rows
-from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, quantize_x
+from .quants import Q4_0, Q4_1, Q8_0
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
 # (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
@@ -36,6 +38,10 @@ TILE_BYTES = 4 << 20
 # Weight rows per parallel work item: a few KB, so the rows stay in L1 while each token's x
 # passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
 ITEM_ROWS = 32
+# With one token per weight (generation) nothing is reused from L1, so an item is made ~this
+# many bytes instead (the dispatch per item is then a small share), in whole rounds of the
+# threads: Q4_0 2048 x 768 experts went from ~0.6 to ~0.85 of streaming read.
+ITEM_BYTES = 64 << 10
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
@@ -65,32 +71,37 @@ def _int8(qtype):
 
 # ---------------------------------------------------------------- per-token x extras
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
-# or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8).
-# The unused set is empty.
+# or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
+# for Q4_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 the (xd, xs) pairs xds [N, 2B]
+# (quants_int8.prepare_blocks). The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")
-def _prepare_x(x, int8):
+def _prepare_x(x, int8, qtype):
     N, K = x.shape
     B = K // 32
     xsum = np.zeros((N, 0 if int8 else B), np.float32)
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
+    xb = np.empty((N, K // 4 if int8 and (qtype == Q4_0 or qtype == Q8_0) else 0), np.int32)
+    xds = np.empty((N, 2 * B if int8 and qtype == Q4_1 else 0), np.float32)
     for n in range(N):
         if int8:
             quantize_x(xq[n], xd[n], xs[n], x[n])
+            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qtype)
         else:
             for b in range(B):
                 for i in range(32):
                     xsum[n, b] += x[n, b * 32 + i]
-    return xsum, xq, xd, xs
+    return xsum, (xq, xd, xs, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _dot_rows(qtype, out, w, x, n, xsum, xq, xd, xs, int8):
+def _dot_rows(qtype, out, w, x, n, xsum, xi, int8):
     """out [R] <- dequant(w [R, row_bytes]) @ x[n], by the path _prepare_x prepared for."""
     if int8:
-        dot_rows_i8(qtype, out, w, xq[n], xd[n], xs[n])
+        xq, xd, xs, xb, xds = xi
+        dot_rows_i8(qtype, out, w, xq[n], xd[n], xs[n], xb[n], xds[n])
     else:
         dot_rows(qtype, out, w, x[n], xsum[n])
 
@@ -114,16 +125,28 @@ def mul_mat_plain(out, w, x, qtype):
 
 # ---------------------------------------------------------------- mul_mat, matrix-vector
 # out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T for T < BLAS_MIN_T. Work item = a run of
-# ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1. Parallel over runs.
+# ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
+# ITEM_BYTES). Parallel over runs.
+
+def item_rows(M, row_bytes, n_tokens):
+    """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
+    such that the items come in whole rounds of the threads."""
+    if n_tokens > 1:
+        return ITEM_ROWS
+    nt = numba.get_num_threads()
+    n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
+    rows = (M + n - 1) // n
+    return max(2, rows + rows % 2)
+
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_vec(out, w, x, qtype, int8):
-    xsum, xq, xd, xs = _prepare_x(x, int8)
+def _mul_mat_vec(out, w, x, qtype, int8, step):
+    xsum, xi = _prepare_x(x, int8, qtype)
     M = w.shape[0]
-    for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
-        r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
+    for item in prange((M + step - 1) // step):
+        r0, r1 = item * step, min(M, (item + 1) * step)
         for t in range(x.shape[0]):
-            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xq, xd, xs, int8)
+            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
 
 
 # ---------------------------------------------------------------- dequantize rows
@@ -163,7 +186,7 @@ def _mul_mat_blas(out, w, x, qtype):
 def mul_mat(out, w, x, qtype):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T."""
     if x.shape[0] < BLAS_MIN_T:
-        _mul_mat_vec(out, w, x, qtype, _int8(qtype))
+        _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0]))
     else:
         _mul_mat_blas(out, w, x, qtype)
 
@@ -195,39 +218,40 @@ def _group_by_expert(ids, E):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8):
+def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step):
     E, M = w.shape[0], w.shape[1]
     T, X, K = x.shape
     A = ids.shape[1]
     order, start = _group_by_expert(ids, E)
     xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
-    xsum, xq, xd, xs = _prepare_x(xf, int8)
+    xsum, xi = _prepare_x(xf, int8, qtype)
     n_used = 0
     used = np.empty(E, np.int64)
     for e in range(E):
         if 0 < start[e + 1] - start[e] < blas_min:
             used[n_used] = e
             n_used += 1
-    n_runs = (M + ITEM_ROWS - 1) // ITEM_ROWS
+    n_runs = (M + step - 1) // step
     for item in prange(n_used * n_runs):
         e = used[item // n_runs]
-        r0 = item % n_runs * ITEM_ROWS
-        r1 = min(M, r0 + ITEM_ROWS)
+        r0 = item % n_runs * step
+        r1 = min(M, r0 + step)
         for p in range(start[e], start[e + 1]):
             t, a = order[p] // A, order[p] % A
             n = t * X + (a if X == A else 0)
-            _dot_rows(qtype, out[t, a, r0:r1], w[e, r0:r1], xf, n, xsum, xq, xd, xs, int8)
+            _dot_rows(qtype, out[t, a, r0:r1], w[e, r0:r1], xf, n, xsum, xi, int8)
 
 
 def mul_mat_id(out, w, x, ids, qtype):
     """out [T, A, M] = per-token expert products; see the comment above _mul_mat_id_vec."""
     if ids.shape[0] < BLAS_MIN_T:  # generation: every chosen expert by matrix-vector
-        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype))
+        step = item_rows(w.shape[1], w.shape[2], ids.shape[0])
+        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step)
         return
     T, X, K = x.shape
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
-    _mul_mat_id_vec(out, w, x, ids, qtype, BLAS_MIN_T, _int8(qtype))  # experts with few tokens
+    _mul_mat_id_vec(out, w, x, ids, qtype, BLAS_MIN_T, _int8(qtype), ITEM_ROWS)  # experts with few tokens
     for e in np.flatnonzero(np.diff(start) >= BLAS_MIN_T):
         pairs = order[start[e]:start[e + 1]]
         t, a = pairs // A, pairs % A

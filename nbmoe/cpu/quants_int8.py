@@ -12,7 +12,8 @@ instruction: nibbles (Q4_*) and 5-bit codes (Q5_*) already are, with the -8 / -1
 symmetric types folded into m = -8 d / -16 d; Q8_0's signed codes are stored + 128
 (w ^ 0x80) and m = -128 d.
 
-Per block, in LLVM IR written here (an intrinsic; Numba cannot express vector code):
+Q5_0 / Q5_1, one block per call, in LLVM IR written here (an intrinsic; Numba cannot
+express vector code):
   <32 x u8> codes  <- unpack the block's bytes (nibbles / nibbles + 5th bits / xor 0x80)
   <8 x i32> lanes  =  dot4(codes, xq block)     lane i = sum of bytes 4i..4i+3 products
   acc[0:8]        +=  float(lanes) * (d * xd[b])
@@ -21,7 +22,19 @@ that LLVM turns into pmaddwd + phaddd code (no faster than the float dots): same
 array (lanes8) that LLVM keeps in a register; sum8 reduces it once per row.
 Error vs float x: about 0.5-1% of the largest output (the 8-bit x), as in llama.cpp.
 
-Adding a block type = an unpack in IR (or reuse acc_q4 / acc_q5 / acc_q8), its
+Q4_0, Q4_1, Q8_0 (acc_blocks, dot_rows_b32): these blocks are small (18-34 bytes), so the
+per-block work decides their speed (one block per call: 0.4 / 0.35 / 0.85 of streaming read
+at 2 threads on the Cascade Lake CI VM; this way 0.65-0.75 / 0.65-0.75 / 0.8-0.95). A call
+takes 4 blocks (a pair, a single one at a row's end) and two rows run side by side (their
+calls share the x loads and overlap):
+  codes of blocks j, j + 1 -> one <64 x u8> (Q4: [qs_j, qs_j, qs_j+1, qs_j+1] shifted by
+  [0, 4, 0, 4] per 16 bytes, & 15) -> one 512-bit dot4, its 16 lanes started at xb, the
+  x-side bias -8 / -128 * (sum of the lane's 4 xq) (Q4_0 / Q8_0), so no per-block offset
+  remains -> float lanes * [s_j] * 8 + [s_j+1] * 8, s = d * xd;
+  Q4_1 takes its m * xs terms from the same f16 load as d ([d, m] * [xd, xs], xds).
+A call adds one sum to acc (one add per 4 blocks on the loop-carried chain).
+
+Adding a block type = an unpack in IR (or reuse acc_q5 / acc_blocks), its
 dot_rows_<type>, a branch in dot_rows_i8.
 """
 import os
@@ -35,7 +48,8 @@ from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8
 from .simd import PREFETCH
-from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, load_f16, stack_f32
+from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, lanes16,
+                     load_f16, stack_f32, sum16)
 
 _FEATURES = llb.get_host_cpu_features()
 # NBMOE_NO_VNNI=1 forces the generic dot4 (use a separate NUMBA_CACHE_DIR: Numba's cache
@@ -107,26 +121,130 @@ def _nibbles(context, builder, sig, row, o):
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
 
 
-@intrinsic
-def acc_q8(typingctx, acc, row, o, xq, ox, s):
-    """acc[0:8] += s * dot4(row[o:o + 32] ^ 0x80, xq[ox:ox + 32]): Q8_0 codes + 128."""
-    def codegen(context, builder, sig, args):
-        q = builder.load(_vec_ptr(context, builder, sig.args[1], args[1], args[2], _V32I8), align=1)
-        return _block_acc(context, builder, sig, args, builder.xor(q, ir.Constant(_V32I8, [0x80] * 32)))
-    return types.void(acc, row, o, xq, ox, s), codegen
+# ---------------------------------------------------------------- Q4_0, Q4_1, Q8_0 (see the top)
+_BLOCK = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}     # bytes per block, offset of qs
+_V16F, _V16I32, _V64I8 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+
+
+def _vconst(ty, values):
+    """A constant vector of ty's element type (byte values >= 128 written as negative)."""
+    w = ty.element.width if isinstance(ty.element, ir.IntType) else 0
+    return ir.Constant(ty, [v - (1 << w) if w and v >= 1 << (w - 1) else v for v in values])
+
+
+def _pick(builder, v, idx):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+
+def _dot4_init(builder, init, codes, xq):
+    """init + dot4(codes, xq): 16 or 8 int32 lanes (vpdpbusd adds to its first operand)."""
+    n = codes.type.count
+    v32 = ir.VectorType(_I32, n // 4)
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32] * 3),
+                                            f"llvm.x86.avx512.vpdpbusd.{8 * n}")
+        return builder.call(fn, [init, builder.bitcast(codes, v32), builder.bitcast(xq, v32)])
+    p = builder.mul(builder.zext(codes, ir.VectorType(_I32, n)), builder.sext(xq, ir.VectorType(_I32, n)))
+    for m in (n // 2, n // 4):
+        p = builder.add(_pick(builder, p, range(0, 2 * m, 2)), _pick(builder, p, range(1, 2 * m, 2)))
+    return builder.add(p, init)
+
+
+def _emit_blocks(context, builder, sig, args, qt, n):
+    """acc[0:16] += the dots of blocks b..b + n - 1 of one row (see acc_blocks)."""
+    b = builder
+    size, qs = _BLOCK[qt]
+
+    def data(i, offset=None, scale=1):
+        base = context.make_array(sig.args[i])(context, b, args[i]).data
+        return b.gep(base, [b.mul(offset, ir.Constant(offset.type, scale)) if scale != 1 else offset])
+
+    def load(ptr, off, ty):
+        p = b.gep(ptr, [ir.Constant(_I64, off)]) if off else ptr
+        return b.load(b.bitcast(p, ty.as_pointer()), align=1)
+
+    blk = args[9]
+    row, xq = data(3, args[4]), data(5, blk, 32)
+    if PREFETCH:
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
+            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+        for off in range(PREFETCH, PREFETCH + n * size, 64):   # read, keep in all levels, data
+            b.call(fn, [b.gep(row, [ir.Constant(_I64, off)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                        ir.Constant(_I32, 1)])
+    # per-block float scales s[j] = d_j * xd_j (and Q4_1's m_j * xs_j, kept in odd lanes)
+    terms = []
+    half = ir.HalfType()
+    if qt == Q4_1:
+        dm = [load(row, j * size, _I32) for j in range(n)]           # [d, m] as one word
+        v = ir.Constant(ir.VectorType(_I32, n), None)
+        for j, w in enumerate(dm):
+            v = b.insert_element(v, w, ir.Constant(_I32, j))
+        dm = b.fpext(b.bitcast(v, ir.VectorType(half, 2 * n)), ir.VectorType(_F32, 2 * n))
+        ps = b.fmul(dm, load(data(8, blk, 2), 0, ir.VectorType(_F32, 2 * n)))
+        s = _pick(b, ps, range(0, 2 * n, 2))
+        terms.append(b.select(_vconst(ir.VectorType(ir.IntType(1), 2 * n), [0, 1] * n), ps,
+                              ir.Constant(ps.type, None)))
+    else:
+        v = ir.Constant(ir.VectorType(ir.IntType(16), n), None)
+        for j in range(n):
+            v = b.insert_element(v, load(row, j * size, ir.IntType(16)), ir.Constant(_I32, j))
+        d = b.fpext(b.bitcast(v, ir.VectorType(half, n)), ir.VectorType(_F32, n))
+        s = b.fmul(d, load(data(6, blk), 0, ir.VectorType(_F32, n)))
+    xb = data(7, blk, 8)
+    for j in range(0, n, 2):
+        pair = j + 1 < n                                   # blocks j, j + 1: one 512-bit dot
+        m = 64 if pair else 32
+        if qt == Q8_0:
+            q = load(row, j * size + qs, _V32I8)
+            if pair:
+                q = b.shuffle_vector(q, load(row, (j + 1) * size + qs, _V32I8),
+                                     ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+            codes = b.xor(q, _vconst(q.type, [0x80] * m))
+        else:
+            q0 = load(row, j * size + qs, _V16I8)
+            q1 = load(row, (j + 1) * size + qs, _V16I8) if pair else q0
+            idx = [*range(16), *range(16), *range(16, 32), *range(16, 32)][:m]
+            q = b.shuffle_vector(q0, q1, ir.Constant(ir.VectorType(_I32, m), idx))
+            w16 = b.bitcast(q, ir.VectorType(ir.IntType(16), m // 2))
+            w16 = b.lshr(w16, _vconst(w16.type, ([0] * 8 + [4] * 8) * (m // 32)))
+            codes = b.and_(b.bitcast(w16, q.type), _vconst(q.type, [15] * m))
+        lanes = ir.VectorType(_I32, m // 4)
+        init = ir.Constant(lanes, None) if qt == Q4_1 else load(xb, 8 * j, lanes)
+        dot = b.sitofp(_dot4_init(b, init, codes, load(xq, 32 * j, ir.VectorType(_I8, m))),
+                       ir.VectorType(_F32, m // 4))
+        terms.append(b.fmul(dot, _pick(b, s, [j] * 8 + [j + 1] * 8 if pair else [j] * 8), flags=("contract",)))
+    padded = []
+    for t in terms:                                        # to 16 lanes
+        k = t.type.count
+        if k < 16:
+            t = b.shuffle_vector(t, ir.Constant(t.type, None),
+                                 ir.Constant(ir.VectorType(_I32, 16), list(range(k)) + [k] * (16 - k)))
+        padded.append(t)
+    while len(padded) > 1:                                 # a tree: products pair up into FMAs
+        padded = [b.fadd(padded[i], padded[i + 1], flags=("contract",))
+                  for i in range(0, len(padded) - 1, 2)] + padded[len(padded) // 2 * 2:]
+    ap = b.bitcast(data(2, ir.Constant(_I64, 0)), _V16F.as_pointer())
+    b.store(b.fadd(b.load(ap, align=4), padded[0], flags=("contract",)), ap, align=4)
 
 
 @intrinsic
-def acc_q4(typingctx, acc, row, o, xq, ox, s):
-    """acc[0:8] += s * dot4(nibbles of row[o:o + 16], xq[ox:ox + 32]): Q4_0 / Q4_1 codes."""
+def acc_blocks(typingctx, qt, n, acc, w, o, xq, xd, xb, xds, b):
+    """acc[0:16] += sum over j < n of block b + j (at byte o + j * size of w's data) . x, for
+    qt in Q4_0 / Q4_1 / Q8_0 and n in 1, 2, 4, both compile-time constants. x: xq [K], xd [B],
+    xb [K / 4] (Q4_0, Q8_0) and xds [2B] (Q4_1) from prepare_blocks."""
+    if not (isinstance(qt, types.IntegerLiteral) and isinstance(n, types.IntegerLiteral)):
+        return None
+
     def codegen(context, builder, sig, args):
-        return _block_acc(context, builder, sig, args, _nibbles(context, builder, sig, args[1], args[2]))
-    return types.void(acc, row, o, xq, ox, s), codegen
+        _emit_blocks(context, builder, sig, args, qt.literal_value, n.literal_value)
+        return context.get_dummy_value()
+    return types.void(qt, n, acc, w, o, xq, xd, xb, xds, b), codegen
 
 
 @intrinsic
 def acc_q5(typingctx, acc, row, o, xq, ox, s, oh):
-    """As acc_q4, plus 16 where bit k of the uint32 at row[oh:oh + 4] is set: Q5_0 / Q5_1."""
+    """acc[0:8] += s * dot4(codes, xq[ox:ox + 32]), codes = the nibbles of row[o:o + 16] plus
+    16 where bit k of the uint32 at row[oh:oh + 4] is set: Q5_0 / Q5_1."""
     def codegen(context, builder, sig, args):
         codes = _nibbles(context, builder, sig, args[1], args[2])
         qh = builder.load(_vec_ptr(context, builder, sig.args[1], args[1], args[6], _I32), align=1)
@@ -171,39 +289,68 @@ def quantize_x(xq, xd, xs, x):
         xs[b] = d * f32(s)
 
 
+@njit(cache=True, error_model="numpy")
+def prepare_blocks(xb, xds, xq, xd, xs, qtype):
+    """The x extras of acc_blocks: xb [K / 4] int32 = -bias * (sum of xq[4k:4k + 4]) with the
+    bias of the stored codes (Q4_0: 8, Q8_0: 128); xds [2B] = (xd, xs) pairs (Q4_1)."""
+    if qtype == Q4_0 or qtype == Q8_0:
+        bias = np.int32(8 if qtype == Q4_0 else 128)
+        for k in range(xb.shape[0]):
+            xb[k] = -bias * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
+                             + np.int32(xq[4 * k + 3]))
+    elif qtype == Q4_1:
+        for b in range(xd.shape[0]):
+            xds[2 * b], xds[2 * b + 1] = xd[b], xs[b]
+
+
 # ---------------------------------------------------------------- dot_rows per type
 # out [R] <- dequant(w [R, row_bytes]) @ (xq * xd) [K], one row at a time.
 
-@njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q8_0(out, w, xq, xd, xs):        # d:f16 qs:32 int8
-    for r in range(w.shape[0]):
-        row, acc, off = w[r], lanes8(), f32(0)
-        for b in range(row.shape[0] // 34):
-            d = load_f16(row, b * 34)
-            acc_q8(acc, row, b * 34 + 2, xq, b * 32, d * xd[b])
-            off += d * xs[b]
-        out[r] = sum8(acc) - f32(128) * off
+@njit(inline="always")
+def dot_rows_b32(qt, out, w, xq, xd, xb, xds):
+    """out [R] <- w [R, row_bytes] @ x for Q4_0 / Q4_1 / Q8_0 (qt a constant): rows two at a
+    time, 4 blocks per call, then a pair and a single block for the rest of each row. Rows
+    are passed as byte offsets into w: a row view w[r] costs an atomic refcount pair."""
+    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    nb, rs = w.shape[1] // size, w.strides[0]
+    n4, n2 = nb // 4 * 4, nb // 2 * 2
+    for r in range(0, w.shape[0] - 1, 2):
+        o0, o1, acc0, acc1 = r * rs, (r + 1) * rs, lanes16(), lanes16()
+        for b in range(0, n4, 4):
+            acc_blocks(qt, 4, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 4, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
+        for b in range(n4, n2, 2):
+            acc_blocks(qt, 2, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 2, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
+        for b in range(n2, nb):
+            acc_blocks(qt, 1, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 1, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
+        out[r], out[r + 1] = sum16(acc0), sum16(acc1)
+    if w.shape[0] % 2:
+        r = w.shape[0] - 1
+        o0, acc0 = r * rs, lanes16()
+        for b in range(0, n4, 4):
+            acc_blocks(qt, 4, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+        for b in range(n4, n2, 2):
+            acc_blocks(qt, 2, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+        for b in range(n2, nb):
+            acc_blocks(qt, 1, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
+        out[r] = sum16(acc0)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q4_0(out, w, xq, xd, xs):        # d:f16 qs:16
-    for r in range(w.shape[0]):
-        row, acc, off = w[r], lanes8(), f32(0)
-        for b in range(row.shape[0] // 18):
-            d = load_f16(row, b * 18)
-            acc_q4(acc, row, b * 18 + 2, xq, b * 32, d * xd[b])
-            off += d * xs[b]
-        out[r] = sum8(acc) - f32(8) * off
+def dot_rows_q8_0(out, w, xq, xd, xb, xds):   # d:f16 qs:32 int8
+    dot_rows_b32(Q8_0, out, w, xq, xd, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q4_1(out, w, xq, xd, xs):        # d:f16 m:f16 qs:16
-    for r in range(w.shape[0]):
-        row, acc, off = w[r], lanes8(), f32(0)
-        for b in range(row.shape[0] // 20):
-            acc_q4(acc, row, b * 20 + 4, xq, b * 32, load_f16(row, b * 20) * xd[b])
-            off += load_f16(row, b * 20 + 2) * xs[b]
-        out[r] = sum8(acc) + off
+def dot_rows_q4_0(out, w, xq, xd, xb, xds):   # d:f16 qs:16
+    dot_rows_b32(Q4_0, out, w, xq, xd, xb, xds)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_q4_1(out, w, xq, xd, xb, xds):   # d:f16 m:f16 qs:16
+    dot_rows_b32(Q4_1, out, w, xq, xd, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
@@ -228,14 +375,15 @@ def dot_rows_q5_1(out, w, xq, xd, xs):        # d:f16 m:f16 qh:4 qs:16
 
 
 @njit(cache=True, error_model="numpy")
-def dot_rows_i8(qtype, out, w, xq, xd, xs):
-    """out [R] <- dequant(w [R, row_bytes]) @ x, x given as quantize_x's (xq, xd, xs)."""
+def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
+    """out [R] <- dequant(w [R, row_bytes]) @ x, x given as quantize_x's (xq, xd, xs) and
+    prepare_blocks' (xb, xds)."""
     if qtype == Q4_0:
-        dot_rows_q4_0(out, w, xq, xd, xs)
+        dot_rows_q4_0(out, w, xq, xd, xb, xds)
     elif qtype == Q4_1:
-        dot_rows_q4_1(out, w, xq, xd, xs)
+        dot_rows_q4_1(out, w, xq, xd, xb, xds)
     elif qtype == Q8_0:
-        dot_rows_q8_0(out, w, xq, xd, xs)
+        dot_rows_q8_0(out, w, xq, xd, xb, xds)
     elif qtype == Q5_0:
         dot_rows_q5_0(out, w, xq, xd, xs)
     elif qtype == Q5_1:
