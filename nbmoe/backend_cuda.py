@@ -206,21 +206,72 @@ class CUDABackend(Backend):
             b = self.scratch[key] = self.alloc((n,), np.uint8)
         return b[:n].reshape(shape)
 
-    # -- products: one x quantization for consecutive products of the same input -----------
-    # (q, k, v of a layer; gate and up.) Binding follows run order, so when the node bound just
-    # before on this GPU quantized the same buffer, nothing wrote it since: a writer would have
-    # been bound in between, and a copy into it would mean it was not valid here before.
-    _x_key = None
+    # -- launches saved by fusion, decided while binding ------------------------------------
+    # Binding follows run order, and a node's closure reads a small dict (`cell`) at run time,
+    # so the node bound next may still change what it does (a recorded graph sees the result):
+    #   ADD x = x + y, then RMS_NORM of x: one rms_norm(add=y) launch, the norm's step is empty;
+    #   RMS_NORM, then an 8-bit product of its output: the norm also writes the 8-bit x;
+    #   products of the same input in a row (q, k, v; gate, up): one quantization of x.
+    # The input is unchanged in between: any writer would have been bound in between, and a
+    # copy into it would mean it was not valid here before. `_last` describes the node bound
+    # last on this GPU, with its buffer table (so nothing fuses across plans).
+    _last = _x_key = None
 
     def bind(self, node, buf, state):
+        self._prev, self._last = self._last, None
         self._prev_x_key, self._x_key = self._x_key, None
         return super().bind(node, buf, state)
 
-    def _x_ready(self, node, buf, qtype, T, K):
+    def bind_add(self, node, buf, state):
+        out, a, b = (buf[n].reshape(buf[n].shape[0], -1) for n in (node.out,) + node.srcs)
+        ops, cell = self.ops, {}
+        if node.out == node.srcs[0]:
+            self._last = ("add", node, buf, cell)
+
+        def run():
+            fused = cell.get("norm")
+            if fused is None:
+                ops.add(out, a, b)
+            else:
+                fused()
+        return run
+
+    def bind_rms_norm(self, node, buf, state):
+        w, eps, ops, mm, cell = self.vector(node.weight), node.params["eps"], self.ops, self.mm, {}
+        n = w.shape[0]
+        x, out = buf[node.srcs[0]], buf[node.out]
+        add = None
+        prev = self._prev
+        if ("src_rows" not in node.params and prev and prev[0] == "add" and prev[2] is buf
+                and prev[1].out == node.srcs[0] and x.size // x.shape[0] == n):
+            add = buf[prev[1].srcs[1]]
+        elif "src_rows" in node.params:
+            lo, hi = node.params["src_rows"]
+            x = x[lo:hi]
+        rows = x.size // n
+        self._last = ("norm", (id(buf), node.out), cell, rows, n)
+
+        def norm():
+            x8 = cell.get("x8")
+            xq, xds = mm.x8_buffers(rows, n) if x8 else (None, None)
+            ops.rms_norm(out, x, w, eps, add=add, xq=xq, xds=xds)
+        if add is None:
+            return norm
+        prev[3]["norm"] = norm                 # the ADD's step runs the fused launch
+        return lambda: None
+
+    def _x_ready(self, node, buf, qtype, rows, K):
         key = (id(buf), node.srcs[0])
-        if self.mm.quantizes_x(qtype, T, K):
-            self._x_key = key
-        return key == self._prev_x_key
+        if not self.mm.quantizes_x(qtype, rows, K):
+            return False
+        self._x_key = key
+        if key == self._prev_x_key:
+            return True
+        prev = self._prev
+        if prev and prev[0] == "norm" and prev[1] == key and prev[3:] == (rows, K) and K % 32 == 0:
+            prev[2]["x8"] = True               # the norm writes x in 8 bits too
+            return True
+        return False
 
     def _resident_mul_mat(self, node, buf):
         w, qtype = self.weight(node.weight)
@@ -238,7 +289,7 @@ class CUDABackend(Backend):
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
         K = mm.row_values(qtype, w.shape[len(w.shape) - 1])
-        ready = self._x_ready(node, buf, qtype, x.shape[0], K)
+        ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], K)
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready)
 
     # -- offloaded matrix ops (weight in RAM) ------------------------------------------------

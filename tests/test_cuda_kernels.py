@@ -246,6 +246,22 @@ def test_rms_norm(T, D, small):
     check("rms_norm", out.copy_to_host(), naive.rms_norm(x, w, 1e-6))
 
 
+def test_rms_norm_fused_add_and_x8(small):
+    """The fused form: x += add, out = norm(x), and out in 8 bits exactly as quantize_x
+    writes it (rows of 288 = 9 blocks of 32: the last warp's lanes partly past the row)."""
+    T, D = 2, 288
+    x, a, w = rnd(T, D, seed=5), rnd(T, D, seed=6), rnd(D, seed=7)
+    dx, out = dev(x), poisoned((T, D))
+    xq, xds = matmul.x8_buffers(T, D)
+    ops.rms_norm(out, dx, dev(w), 1e-6, add=dev(a), xq=xq, xds=xds)
+    check("x += add", dx.copy_to_host(), x.astype(np.float64) + a)
+    check("rms_norm(x + add)", out.copy_to_host(), naive.rms_norm(x + a, w, 1e-6))
+    got_q, got_ds = xq.copy_to_host()[:T * D // 4], xds.copy_to_host()[:T * D // 16]
+    matmul._quantize_x(out, T, D, 0)          # the same buffers, refilled by quantize_x
+    assert np.array_equal(got_q, xq.copy_to_host()[:T * D // 4])
+    assert np.array_equal(got_ds, xds.copy_to_host()[:T * D // 16])
+
+
 def test_rms_norm_per_head_in_place(small):
     """QK-norm: x [T, H, Dh] normed head by head with w [Dh], in place."""
     x, w = rnd(3, 2, 40, seed=4), rnd(40, seed=1)

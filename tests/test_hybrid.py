@@ -127,17 +127,21 @@ def test_offloaded_experts_match_cpu(model, monkeypatch, prefetch):
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
 
-def test_shared_x_quantization_is_exact(model, monkeypatch):
-    """On the int8 path, q/k/v and gate/up quantize their input once (backend_cuda._x_ready):
-    the logits equal those with a quantization per product, and the sharing did happen."""
+def test_fused_decode_launches_are_exact(model, monkeypatch):
+    """On the int8 path the CUDA backend fuses while binding (backend_cuda): residual add +
+    norm in one launch, the norm writing the 8-bit x of the next product, q/k/v and gate/up
+    quantizing their input once. The logits equal those of the plain binders, bit for bit."""
     from nbmoe import backend_cuda
+    from nbmoe.backend import Backend
     from nbmoe.cuda import matmul as cuda_matmul
     monkeypatch.setattr(cuda_matmul, "INT8_DOT", True)
     flags = []
     ready = backend_cuda.CUDABackend._x_ready
     monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready",
                         lambda *a: flags.append(ready(*a)) or flags[-1])
-    shared = load(model, n_gpu_layers=99).eval(PROMPT)
-    assert sum(flags) == MOE["n_layer"] * 3          # k, v, up reuse the x of q, k, gate
+    fused = load(model, n_gpu_layers=99).eval(PROMPT)
+    assert sum(flags) >= MOE["n_layer"] * 4          # q (from the norm), k, v, up
+    for name in ("bind_add", "bind_rms_norm"):
+        monkeypatch.setattr(backend_cuda.CUDABackend, name, getattr(Backend, name))
     monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready", lambda *a: False)
-    assert np.array_equal(shared, load(model, n_gpu_layers=99).eval(PROMPT))
+    assert np.array_equal(fused, load(model, n_gpu_layers=99).eval(PROMPT))

@@ -110,9 +110,9 @@ def test_bad_types_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"ffn_down.weight: row length 48 .* Q8_0's block of 32"):
         mm.make_model(tmp_path / "a.gguf", "llama", n_layer=1, n_embd=64, n_head=4, n_head_kv=2,
                       n_ff=48)
-    with pytest.raises(ValueError, match="no quantizer for type 'Q4_K'"):
+    with pytest.raises(ValueError, match="no quantizer for type 'TQ1_0'"):
         mm.make_model(tmp_path / "b.gguf", "llama", n_layer=1, n_embd=256, n_head=4, n_head_kv=2,
-                      n_ff=256, types=[("ffn", "Q4_K")])
+                      n_ff=256, types=[("ffn", "TQ1_0")])
     with pytest.raises(ValueError, match="qwen3moe needs n_expert"):
         mm.make_model(tmp_path / "c.gguf", "qwen3moe", n_layer=1, n_embd=64, n_head=4,
                       n_head_kv=2, n_ff=64)

@@ -130,10 +130,14 @@ def _mmv_kernel(qtype, NT):
 def quantize_x_kernel(xq, xds, x, n_words):
     idx = cuda.grid(1)
     i = min(idx, n_words - 1)
-    x0 = ld_f32(x, 0, 16 * i)
-    x1 = ld_f32(x, 0, 16 * i + 4)
-    x2 = ld_f32(x, 0, 16 * i + 8)
-    x3 = ld_f32(x, 0, 16 * i + 12)
+    quantize_word(xq, xds, idx, idx < n_words, ld_f32(x, 0, 16 * i), ld_f32(x, 0, 16 * i + 4),
+                  ld_f32(x, 0, 16 * i + 8), ld_f32(x, 0, 16 * i + 12))
+
+
+@device_fn
+def quantize_word(xq, xds, idx, write, x0, x1, x2, x3):
+    """Word idx of xq from its 4 values; lanes idx % 8 == 0..7 of one 32-block are 8
+    consecutive lanes of a warp (all of them call this), and lane 0 of them writes xds."""
     a = max(max(abs(x0), abs(x1)), max(abs(x2), abs(x3)))
     if x0 != x0 or x1 != x1 or x2 != x2 or x3 != x3:
         a = x0 + x1 + x2 + x3                      # NaN sticks: d = NaN, so the output is NaN
@@ -150,7 +154,7 @@ def quantize_x_kernel(xq, xds, x, n_words):
     sq = q0 + q1 + q2 + q3
     for m in (4, 2, 1):
         sq += shfl_xor(sq, m)
-    if idx < n_words:
+    if write:
         xq[idx] = i32(u32(q0 & 0xFF) | (u32(q1 & 0xFF) << u32(8))
                       | (u32(q2 & 0xFF) << u32(16)) | (u32(q3 & 0xFF) << u32(24)))
         if idx % 8 == 0:
@@ -162,11 +166,17 @@ def _quantize_x(x, n_rows, K, stream, ready=False):
     """x (n_rows rows of K) -> (xq, xds) in reused flat device buffers (one stream at a time).
     ready: the buffers already hold this x (the previous product quantized the same input)."""
     n = n_rows * K // 4
-    xq = _buffer("xq", n, np.int32)
-    xds = _buffer("xds", n // 4, np.float32)
+    xq, xds = x8_buffers(n_rows, K)
     if not ready:
         quantize_x_kernel[(n + 127) // 128, 128, stream](xq, xds, x, n)
     return xq, xds
+
+
+def x8_buffers(n_rows, K):
+    """The (xq, xds) buffers the next product reads when it gets x_ready=True (a fused
+    producer, such as ops.rms_norm(..., xq=, xds=), writes x there in 8 bits)."""
+    n = n_rows * K // 4
+    return _buffer("xq", n, np.int32), _buffer("xds", n // 4, np.float32)
 
 
 def quantizes_x(qtype, T, K):

@@ -9,7 +9,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, expf, warp_sum
+from . import SIM, device_fn, device_id, expf, warp_sum
+from .matmul import quantize_word
 
 f32 = np.float32
 
@@ -28,6 +29,10 @@ def _blocks(n, threads):
 # w [Dh] (QK-norm). One block per row: each thread sums squares over a strided slice, warps
 # reduce by shuffles, then every thread adds the warps' sums in order (deterministic).
 # out may be x: each thread rereads and rewrites only its own elements.
+# Fused forms, which save launches in decoding (backend_cuda decides when):
+#   add:   x <- x + add first (the residual sum, written back to x), then the norm of it;
+#   xq, xds: out also in 8 bits for the next product (matmul.quantize_word's format): after a
+#          barrier, thread j of the block quantizes words j, j + blockDim, ... of the row.
 
 def _block_sum(v, sh):
     """Sum of v over the block (blockDim.x a multiple of 32), in every thread; sh: shared [32]."""
@@ -46,28 +51,60 @@ _block_sum = cuda.jit(device=True)(_block_sum) if SIM else cuda.jit(device=True,
 
 
 @cuda.jit
-def rms_norm_kernel(out, x, w, eps):
+def rms_norm_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
     sh = cuda.shared.array(32, f32)
     r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
     n = x.shape[1]
     ss = f32(0.0)
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+    for i in range(tid, n, cuda.blockDim.x):
         v = x[r, i]
+        if do_add:
+            v += add[r, i]
+            x[r, i] = v
         ss += v * v
     ss = _block_sum(ss, sh)
     scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+    for i in range(tid, n, cuda.blockDim.x):
         out[r, i] = x[r, i] * scale * w[i]
+    if do_quant:
+        cuda.syncthreads()                  # the row's outputs, written by all threads
+        nw = n // 4
+        for j0 in range(0, nw, cuda.blockDim.x):
+            j = j0 + tid
+            jj = min(j, nw - 1)             # lanes past the row: the last word, not written
+            quantize_word(xq, xds, r * nw + j, j < nw, out[r, 4 * jj], out[r, 4 * jj + 1],
+                          out[r, 4 * jj + 2], out[r, 4 * jj + 3])
 
 
-def rms_norm(out, x, w, eps, stream=0):
-    """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x."""
+def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
+    """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x.
+    add: first x += add (x then holds the sum). xq, xds (matmul.x8_buffers; rows of a
+    multiple of 32): out is also written in 8 bits there."""
     n = w.shape[0]
     x2 = x.reshape(x.size // n, n)
     o2 = out.reshape(out.size // n, n)
     warps = min(NORM_THREADS // 32, max(1, (n + 255) // 256))
+    a2 = x2 if add is None else add.reshape(x2.shape)
+    quant = xq is not None
+    if quant and n % 32:
+        raise ValueError("rms_norm: 8-bit output needs rows of a multiple of 32 values")
+    if not quant:
+        xq, xds = _unused_x8()
     if x2.shape[0]:
-        rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps))
+        rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps), a2, add is not None,
+                                                         xq, xds, quant)
+
+
+_x8_stand_ins = {}
+
+
+def _unused_x8():
+    """Stand-ins for unused 8-bit output buffers (the kernel is typed on them), per GPU."""
+    key = device_id()
+    if key not in _x8_stand_ins:
+        _x8_stand_ins[key] = (cuda.device_array(1, np.int32), cuda.device_array(1, np.float32))
+    return _x8_stand_ins[key]
 
 
 # ---------------------------------------------------------------- add, scale
