@@ -58,18 +58,29 @@ class Backend:
         x, out, eps, ops = x.reshape(-1, n), buf[node.out].reshape(-1, n), node.params["eps"], self.ops
         return lambda: ops.rms_norm(out, x, w, eps)
 
-    def bind_mul_mat(self, node, buf, state):
+    def mul_mat_operands(self, node, buf):
+        """(out [T, M], w [M, row_bytes], x [T, K], qtype) of a resident-weight MUL_MAT."""
         w, qtype = self.weight(node.weight)
         shape = tuple(w.shape)      # (device arrays of the simulator take no negative index)
         w = w.reshape(int(np.prod(shape[:-1])), shape[len(shape) - 1])
-        out, x, mm = _rows2d(buf[node.out]), _rows2d(buf[node.srcs[0]]), self.mm
+        return _rows2d(buf[node.out]), w, _rows2d(buf[node.srcs[0]]), qtype
+
+    def mul_mat_id_operands(self, node, buf):
+        """(out [T, A, M], w [E, M, row_bytes], x [T, X, K], ids [T, A], qtype) of MUL_MAT_ID."""
+        w, qtype = self.weight(node.weight)
+        out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
+        if len(x.shape) == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
+        return out, w, x, ids, qtype
+
+    def bind_mul_mat(self, node, buf, state):
+        out, w, x, qtype = self.mul_mat_operands(node, buf)
+        mm = self.mm
         return lambda: mm.mul_mat(out, w, x, qtype)
 
     def bind_mul_mat_id(self, node, buf, state):
-        w, qtype = self.weight(node.weight)
-        out, x, ids, mm = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]], self.mm
-        if len(x.shape) == 2:
-            x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
+        out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
+        mm = self.mm
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype)
 
     def bind_rope(self, node, buf, state):

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, _rows2d
 from .errors import NbmoeError
 
 
@@ -214,16 +214,16 @@ class CUDABackend(Backend):
     #   products of the same input in a row (q, k, v; gate, up): one quantization of x.
     # The input is unchanged in between: any writer would have been bound in between, and a
     # copy into it would mean it was not valid here before. `_last` describes the node bound
-    # last on this GPU, with its buffer table (so nothing fuses across plans).
-    _last = _x_key = None
+    # last on this GPU, with its buffer table (so nothing fuses across plans): ("add", node,
+    # buf, cell), ("norm", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
+    _last = None
 
     def bind(self, node, buf, state):
         self._prev, self._last = self._last, None
-        self._prev_x_key, self._x_key = self._x_key, None
         return super().bind(node, buf, state)
 
     def bind_add(self, node, buf, state):
-        out, a, b = (buf[n].reshape(buf[n].shape[0], -1) for n in (node.out,) + node.srcs)
+        out, a, b = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
         ops, cell = self.ops, {}
         if node.out == node.srcs[0]:
             self._last = ("add", node, buf, cell)
@@ -261,35 +261,29 @@ class CUDABackend(Backend):
         return lambda: None
 
     def _x_ready(self, node, buf, qtype, rows, K):
+        """Whether x (rows of K) is already in the 8-bit buffers when this product runs."""
         key = (id(buf), node.srcs[0])
         if not self.mm.quantizes_x(qtype, rows, K):
             return False
-        self._x_key = key
-        if key == self._prev_x_key:
-            return True
+        self._last = ("x8", key, rows, K)
         prev = self._prev
+        if prev and prev[0] == "x8" and prev[1:] == (key, rows, K):
+            return True                        # the product before quantized this x
         if prev and prev[0] == "norm" and prev[1] == key and prev[3:] == (rows, K) and K % 32 == 0:
             prev[2]["x8"] = True               # the norm writes x in 8 bits too
             return True
         return False
 
     def _resident_mul_mat(self, node, buf):
-        w, qtype = self.weight(node.weight)
-        shape = tuple(w.shape)
-        w = w.reshape(int(np.prod(shape[:-1])), shape[-1])
-        out, x, mm = buf[node.out], buf[node.srcs[0]], self.mm
-        out, x = out.reshape(out.shape[0], -1), x.reshape(x.shape[0], -1)
-        K = mm.row_values(qtype, w.shape[len(w.shape) - 1])
-        ready = self._x_ready(node, buf, qtype, x.shape[0], K)
+        out, w, x, qtype = self.mul_mat_operands(node, buf)
+        mm = self.mm
+        ready = self._x_ready(node, buf, qtype, x.shape[0], x.shape[1])
         return lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready)
 
     def _resident_mul_mat_id(self, node, buf):
-        w, qtype = self.weight(node.weight)
-        out, x, ids, mm = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]], self.mm
-        if len(x.shape) == 2:
-            x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
-        K = mm.row_values(qtype, w.shape[len(w.shape) - 1])
-        ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], K)
+        out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
+        mm = self.mm
+        ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready)
 
     # -- offloaded matrix ops (weight in RAM) ------------------------------------------------
