@@ -41,6 +41,9 @@ class Backend:
         pass
 
     # -- binders ---------------------------------------------------------------------------
+    def prepare(self, graph):
+        """Called with a plan's graph (backends assigned) before its nodes are bound."""
+
     def bind(self, node, buf, state):
         return getattr(self, "bind_" + node.op.lower())(node, buf, state)
 

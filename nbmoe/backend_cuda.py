@@ -35,6 +35,9 @@ def device_names():
 # goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
 # on a copy stream so that the next tensor's upload overlaps this one's product.
 PREFETCH_PAIRS_PER_EXPERT = 4
+# Runs of decode nodes bound to one fused kernel (nbmoe/fusion.py, cuda/fused.py);
+# NBMOE_NO_FUSE=1 binds every node on its own (for A/B timings).
+FUSE_GROUPS = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 
 
 class PrefetchChain:
@@ -115,14 +118,14 @@ class CUDABackend(Backend):
         super().__init__(tensors)
         from numba import cuda
 
-        from .cuda import attention, graphs, matmul, moe, ops
+        from .cuda import attention, fused, graphs, matmul, moe, ops
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = int(name[4:])
         cuda.select_device(self.device)
         # One stream per GPU, blocking: copies on the default stream stay ordered with it.
         self.stream = cuda.stream()
-        self.mm, self.ops, self.attn, self.moe = (_OnStream(m, self.stream)
-                                                  for m in (matmul, ops, attention, moe))
+        self.mm, self.ops, self.attn, self.moe, self.fused = (
+            _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused))
         self.resident = {}
         self.vectors = {}
         self.pinned = {}
@@ -216,11 +219,34 @@ class CUDABackend(Backend):
     # copy into it would mean it was not valid here before. `_last` describes the node bound
     # last on this GPU, with its buffer table (so nothing fuses across plans): ("add", node,
     # buf, cell), ("norm", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
+    # Longer runs (fusion.find_groups) are found per plan by `prepare`, before binding: the
+    # group's first node binds the whole group, each member gets its step (most of them none).
     _last = None
+    _groups = {}
+
+    def prepare(self, graph):
+        """Called with a plan's graph, backends assigned, before its nodes are bound."""
+        from .fusion import find_groups
+        mm = self.mm
+
+        def int8_ok(node):
+            t = self.tensors[node.weight]
+            return mm.quantizes_x(int(t.ggml_type), graph.n_tokens, int(t.ne[0]))
+        self._groups = (find_groups(graph.nodes, self.name, graph.n_tokens, int8_ok, mm.MMV_MAX_T)
+                        if FUSE_GROUPS else {})
 
     def bind(self, node, buf, state):
         self._prev, self._last = self._last, None
-        return super().bind(node, buf, state)
+        group = self._groups.get(id(node))
+        if group is None:
+            return super().bind(node, buf, state)
+        kind, members = group
+        if node is members[0]:
+            self._group_steps = getattr(self, "_bind_" + kind)(members, buf, state)
+        else:
+            self._last = self._prev          # a member without a step of its own
+        step = self._group_steps[[id(n) for n in members].index(id(node))]
+        return step if step is not None else _no_step
 
     def bind_add(self, node, buf, state):
         out, a, b = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
@@ -286,6 +312,83 @@ class CUDABackend(Backend):
         ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready)
 
+    # -- fused groups (fusion.py): a list of steps, one per member (None: nothing to run) ------
+    def _x8(self, node, buf, qtype, x):
+        """A closure giving the 8-bit (xq, xds) of x (rows of K) for this product, quantizing
+        it unless the node bound before already provides it (see _x_ready)."""
+        rows, K = int(np.prod(x.shape[:-1])), x.shape[len(x.shape) - 1]
+        ready, mm = self._x_ready(node, buf, qtype, rows, K), self.mm
+        return lambda: mm._quantize_x(x, rows, K, ready=ready)
+
+    def _bind_products(self, members, buf, state):
+        ops = [self.mul_mat_operands(n, buf) for n in members]
+        outs, ws = [o[0] for o in ops], [o[1] for o in ops]
+        x, qtype = ops[0][2], ops[0][3]
+        x8, fused, K = self._x8(members[0], buf, qtype, x), self.fused, x.shape[1]
+
+        def run():
+            xq, xds = x8()
+            fused.products_q8(outs, ws, xq, xds, qtype, K)
+        return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT")]
+
+    def _act(self, glu):
+        return self.fused.ACT_SILU if glu.params["act"] == "silu" else self.fused.ACT_GELU
+
+    def _bind_glu(self, members, buf, state):
+        gate, up, glu = members
+        _, wg, x, qtype = self.mul_mat_operands(gate, buf)
+        wu = self.mul_mat_operands(up, buf)[1]
+        out, act, K = _rows2d(buf[glu.out]), self._act(glu), x.shape[1]
+        x8, fused = self._x8(gate, buf, qtype, x), self.fused
+
+        def run():
+            xq, xds = x8()
+            fused.glu_q8(out, wg, wu, xq, xds, qtype, K, act)
+        return [None, None, _labelled(run, "MUL_MAT+GLU")]
+
+    def _bind_glu_id(self, members, buf, state):
+        gate, up, glu = members
+        _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
+        wu = self.mul_mat_id_operands(up, buf)[1]
+        out, act, X, K = buf[glu.out], self._act(glu), x.shape[1], x.shape[2]
+        x8, fused = self._x8(gate, buf, qtype, x), self.fused
+
+        def run():
+            xq, xds = x8()
+            fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act)
+        return [None, None, _labelled(run, "MUL_MAT_ID+GLU")]
+
+    def _bind_down_combine(self, members, buf, state):
+        down, combine = members
+        _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
+        out, wts, K = buf[combine.out], buf[combine.srcs[1]], x.shape[2]
+        x8, fused = self._x8(down, buf, qtype, x), self.fused
+
+        def run():
+            xq, xds = x8()
+            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K)
+        return [None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE")]
+
+    def _bind_rope_attn(self, members, buf, state):
+        attn_node, rope = members[-1], members[-2]
+        out, q, k, v, pos = (buf[n] for n in (attn_node.out,) + attn_node.srcs)
+        norms = members[:-3]
+        wq, wk = (self.vector(n.weight) for n in norms) if norms else (None, None)
+        eps = norms[0].params["eps"] if norms else 0.0
+        layer = attn_node.params["layer"]
+        kc, vc = state.kv.k[layer], state.kv.v[layer]
+        p, a = rope.params, attn_node.params
+        fused, attn = self.fused, self.attn
+
+        def norm_rope_store():
+            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"], p["base"],
+                                  p["neox"], p["scale"])
+
+        def attention():
+            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"])
+        return ([None] * (len(members) - 2) + [_labelled(norm_rope_store, "QK_NORM+ROPE+KV_STORE")]
+                + [_labelled(attention, "ATTN")])
+
     # -- offloaded matrix ops (weight in RAM) ------------------------------------------------
     def bind_mul_mat(self, node, buf, state):
         if node.weight in self.resident:
@@ -336,3 +439,16 @@ class CUDABackend(Backend):
             self.last_uploaded = len(used)
             mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)
         return run
+
+
+def _no_step():
+    """The step of a group member whose work another member's step does (not run)."""
+
+
+_no_step.skip = True
+
+
+def _labelled(step, label):
+    """A step with the op name --timings files it under."""
+    step.label = label
+    return step

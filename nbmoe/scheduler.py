@@ -195,15 +195,20 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         copies.append(Copy(name, src, where, int(s_arr.nbytes)))
         valid[name].add(where)
 
+    for be in backends.values():
+        be.prepare(graph)
     for node in graph.nodes:
         for src in node.srcs:
             ensure(src, node.backend)
-        if graph_mode and node.backend != "CPU" and node.cause != "off":
-            record_on[len(steps)] = node.backend
-        steps.append(backends[node.backend].bind(node, bufs[node.backend], state))
-        labels.append((node.backend, node.op))
+        step = backends[node.backend].bind(node, bufs[node.backend], state)
         for out in node.outs:
             valid[out] = {node.backend}
+        if getattr(step, "skip", False):      # a fused group's member: another step does it
+            continue
+        if graph_mode and node.backend != "CPU" and node.cause != "off":
+            record_on[len(steps)] = node.backend
+        steps.append(step)
+        labels.append((node.backend, getattr(step, "label", node.op)))
     if "logits" in valid:
         ensure("logits", "CPU")
     if graph_mode:

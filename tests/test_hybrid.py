@@ -125,10 +125,16 @@ def test_offloaded_experts_match_cpu(model, monkeypatch, prefetch):
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
 
-def test_fused_decode_launches_are_exact(tiny_model, monkeypatch):
-    """On the int8 path the CUDA backend fuses while binding (backend_cuda): residual add +
-    norm in one launch, the norm writing the 8-bit x of the next product, q/k/v and gate/up
-    quantizing their input once. The logits equal those of the plain binders, bit for bit."""
+DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=64)
+
+
+@pytest.mark.parametrize("shape", ["moe", "dense"])
+def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
+    """On the int8 path the CUDA backend fuses decode launches: residual add + norm in one
+    launch, the norm writing the 8-bit x of the next product, products of one input
+    quantizing it once (backend_cuda), and the runs of nodes of fusion.find_groups (q/k/v in
+    one launch, gate/up/GLU, expert down + combine, QK-norm + RoPE + KV store). The logits of
+    a prompt and of one-token steps equal those of the plain binders, bit for bit."""
     from nbmoe import backend_cuda
     from nbmoe.backend import Backend
     from nbmoe.cuda import matmul as cuda_matmul
@@ -137,10 +143,29 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch):
     ready = backend_cuda.CUDABackend._x_ready
     monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready",
                         lambda *a: flags.append(ready(*a)) or flags[-1])
-    model = tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0")
-    fused = load(model, n_gpu_layers=99).eval(PROMPT)
+    if shape == "moe":
+        model = tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0")
+    else:
+        model = tiny_model(**DENSE, default_type="Q8_0")
+
+    def run():
+        llm = load(model, n_gpu_layers=99)
+        out = [llm.eval(PROMPT)]
+        for tok in (5,) if cuda_setup.SIM else (5, 9, 11):
+            out.append(llm.eval([tok]))
+        groups = {kind for kind, _ in llm.backends["CUDA0"]._groups.values()}
+        return out, groups, llm
+    fused, groups, llm = run()
     assert sum(flags) >= 4                           # q (from the norm), k, v, up
+    want = {"products", "rope_attn"} | ({"glu_id", "down_combine"} if shape == "moe" else {"glu"})
+    assert groups == want                            # the one-token plan's groups
+    labels = {lab for _, lab in llm.plan(1, 1).labels}
+    assert "GRAPH" in labels or "QK_NORM+ROPE+KV_STORE" in labels
+    monkeypatch.setattr(backend_cuda, "FUSE_GROUPS", False)
     for name in ("bind_add", "bind_rms_norm"):
         monkeypatch.setattr(backend_cuda.CUDABackend, name, getattr(Backend, name))
     monkeypatch.setattr(backend_cuda.CUDABackend, "_x_ready", lambda *a: False)
-    assert np.array_equal(fused, load(model, n_gpu_layers=99).eval(PROMPT))
+    plain, groups, _ = run()
+    assert groups == set()
+    for a, b in zip(fused, plain):
+        assert np.array_equal(a, b)

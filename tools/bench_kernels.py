@@ -19,30 +19,17 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from numba import njit, prange
 from rich.console import Console
 from rich.table import Table
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
 from nbmoe.cpu import matmul
+from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import TYPES
 from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES
 
 ALL_TYPES = ("F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,"
              "MXFP4,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
-
-
-@njit(parallel=True, cache=True, fastmath=True)
-def _stream_sum(a, n_chunks):
-    step = a.shape[0] // n_chunks
-    partial = np.zeros(n_chunks, np.float32)
-    for c in prange(n_chunks):
-        part = a[c * step:(c + 1) * step]
-        s = np.float32(0)
-        for i in range(part.shape[0]):
-            s += part[i]
-        partial[c] = s
-    return partial.sum()
 
 
 def best_time(fn, n):
@@ -71,8 +58,7 @@ def walk_time(fn, n, reps=None):
 
 
 def stream_bandwidth():
-    big = np.ones(1 << 28, np.float32)
-    return big.nbytes / best_time(lambda i: _stream_sum(big, 64), 5) / 1e9
+    return read_bandwidth(1 << 30)
 
 
 def weights(rng, qtype, M, K):

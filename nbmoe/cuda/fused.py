@@ -1,0 +1,285 @@
+"""Fused decode kernels: several graph nodes in one launch, for T <= matmul.MMV_MAX_T tokens.
+
+Decoding is launch-bound on the GPU: a 48-layer MoE token is ~1000 small kernels, and even
+replayed as a CUDA graph each costs a few microseconds. backend_cuda.find_groups spots these
+runs of nodes in a plan and binds each run to one of the kernels below, which compute the same
+values in the same order as the separate kernels (bit-identical results; tests check that):
+
+  products_q8      q, k, v = x @ Wq^T, x @ Wk^T, x @ Wv^T: one matrix-vector launch over the
+                   rows of up to three weights of one type sharing the 8-bit x
+  glu_q8           act(x @ Wgate^T) * (x @ Wup^T): both rows dotted by one warp, the GLU
+                   applied before the write (dense FFN)
+  glu_id_q8        the same per (token, chosen expert) pair (MoE FFN gate / up / GLU)
+  down_combine_q8  sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): the down product of every
+                   chosen expert of a token and the weighted sum, no [T, A, D] round trip
+  norm_rope_store  per head: [RMS norm], RoPE of q and k, and k, v written to the f16 cache
+
+Letters as in matmul.py: T tokens, M rows, K values a row, A chosen experts, X input rows
+per token (1 or A), RB bytes a weight row; x is in 8 bits (xq words, xds (d, s) per block).
+Matrix-vector grids as matmul's: block (32, MMV_WARPS), a warp per weight row, lanes over the
+row's units (unit n = 8 values: block n >> 2, unit n & 3), sums by warp shuffles.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from . import device_fn, warp_sum
+from .matmul import MMV_WARPS, _cached, unit_dot_q8
+from .ops import _gelu, _silu
+from .quants import qtype_info
+
+f32 = np.float32
+ACT_SILU, ACT_GELU = 0, 1
+
+
+def _row_dot(qtype):
+    """row_dot(w, base, xq, xds, xr, K, lane): this lane's share of (weight row at byte offset
+    base) . (x row xr), the units lane, lane + 32, ... (as matmul's matrix-vector kernels)."""
+    t_ = qtype_info(qtype)
+    idec, split = t_.idec, t_.split
+
+    @device_fn
+    def row_dot(w, base, xq, xds, xr, K, lane):
+        acc = f32(0.0)
+        for n in range(lane, K >> 3, 32):
+            b = n >> 2
+            u = n & 3
+            c0, c1, d, m4 = idec(w, base, b, u)
+            acc += unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split)
+        return acc
+    return row_dot
+
+
+@device_fn
+def _act(g, act):
+    return _silu(g) if act == ACT_SILU else _gelu(g)
+
+
+# ---------------------------------------------------------------- products_q8
+# Rows r of the concatenation [W0; W1; W2] (M0 + M1 + M2 rows, one type, one K): row r < M0 is
+# row r of W0 into out0, and so on. Grid (ceil((M0 + M1 + M2) / warps), T): block row y = token.
+# Up to three weights: q, k, v (a run of two passes W1 again with M2 = 0). One token (T = 1):
+# matmul's kernel shares each weight load among up to 8 tokens, this one does not.
+
+def _products_kernel(qtype):
+    row_dot = _row_dot(qtype)
+
+    def build():
+        @cuda.jit
+        def products_q8_kernel(out0, out1, out2, w0, w1, w2, xq, xds, M0, M1, M2, RB, K):
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            t = cuda.blockIdx.y
+            rr = min(r, M0 + M1 + M2 - 1)
+            w, out, rw = w0, out0, rr
+            if rr >= M0 + M1:
+                w, out, rw = w2, out2, rr - M0 - M1
+            elif rr >= M0:
+                w, out, rw = w1, out1, rr - M0
+            tot = warp_sum(row_dot(w, rw * RB, xq, xds, t, K, lane))
+            if lane == 0 and r < M0 + M1 + M2:
+                out[t, rw] = tot
+        return products_q8_kernel
+    return _cached(("products_q8", int(qtype)), build)
+
+
+def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
+    """outs[j] [T, M_j] = x @ dequant(ws[j])^T for 2 or 3 weights of one type (x in 8 bits)."""
+    T = outs[0].shape[0]
+    Ms = [w.shape[0] for w in ws]
+    if len(ws) == 2:
+        outs, ws, Ms = list(outs) + [outs[1]], list(ws) + [ws[1]], Ms + [0]
+    rows = sum(Ms)
+    _products_kernel(qtype)[((rows + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
+        outs[0], outs[1], outs[2], ws[0], ws[1], ws[2], xq, xds, Ms[0], Ms[1], Ms[2],
+        ws[0].shape[1], K)
+
+
+# ---------------------------------------------------------------- glu_q8, glu_id_q8
+# out[t, r] = act(Wgate[r] . x[t]) * (Wup[r] . x[t]); grid (ceil(M / warps), T), for T = 1
+# (as products_q8).
+# Expert form: out[t, a, r] with the rows of expert ids[t, a] and x row t * X + (a or 0);
+# grid (ceil(M / warps), T * A), block row y = pair t * A + a.
+
+def _glu_kernel(qtype, experts):
+    row_dot = _row_dot(qtype)
+
+    def build():
+        if experts:
+            @cuda.jit
+            def glu_id_q8_kernel(out, wg, wu, xq, xds, ids, X, RB, K, act):
+                M = out.shape[2]
+                A = ids.shape[1]
+                lane = cuda.threadIdx.x
+                r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+                p = cuda.blockIdx.y
+                t = p // A
+                a = p - t * A
+                base = (ids[t, a] * M + min(r, M - 1)) * RB
+                xr = t * X + (a if X == A else 0)
+                g = warp_sum(row_dot(wg, base, xq, xds, xr, K, lane))
+                u = warp_sum(row_dot(wu, base, xq, xds, xr, K, lane))
+                if lane == 0 and r < M:
+                    out[t, a, r] = _act(g, act) * u
+            return glu_id_q8_kernel
+
+        @cuda.jit
+        def glu_q8_kernel(out, wg, wu, xq, xds, RB, K, act):
+            M = out.shape[1]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            t = cuda.blockIdx.y
+            base = min(r, M - 1) * RB
+            g = warp_sum(row_dot(wg, base, xq, xds, t, K, lane))
+            u = warp_sum(row_dot(wu, base, xq, xds, t, K, lane))
+            if lane == 0 and r < M:
+                out[t, r] = _act(g, act) * u
+        return glu_q8_kernel
+    return _cached(("glu_q8", int(qtype), experts), build)
+
+
+def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
+    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T), x [T, K] in 8 bits; act ACT_SILU / ACT_GELU."""
+    T, M = out.shape
+    _glu_kernel(qtype, False)[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
+        out, wg, wu, xq, xds, wg.shape[1], K, act)
+
+
+def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
+    """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB])."""
+    T, A, M = out.shape
+    _glu_kernel(qtype, True)[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
+        out, wg, wu, xq, xds, ids, X, wg.shape[2], K, act)
+
+
+# ---------------------------------------------------------------- down_combine_q8
+# out[t, r] = sum_a wts[t, a] * (W[ids[t, a]][r] . x[t * A + a]), the sum in order a = 0..A-1
+# of warp-summed dots (as mul_mat_id then moe_combine). Grid (ceil(M / warps), T).
+
+def _down_combine_kernel(qtype):
+    row_dot = _row_dot(qtype)
+
+    def build():
+        @cuda.jit
+        def down_combine_q8_kernel(out, w, xq, xds, ids, wts, RB, K):
+            M = out.shape[1]
+            A = ids.shape[1]
+            lane = cuda.threadIdx.x
+            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            t = cuda.blockIdx.y
+            rr = min(r, M - 1)
+            acc = f32(0.0)
+            for a in range(A):
+                y = warp_sum(row_dot(w, (ids[t, a] * M + rr) * RB, xq, xds, t * A + a, K, lane))
+                acc = wts[t, a] * y if a == 0 else acc + wts[t, a] * y
+            if lane == 0 and r < M:
+                out[t, r] = acc
+        return down_combine_q8_kernel
+    return _cached(("down_combine_q8", int(qtype)), build)
+
+
+def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0):
+    """out [T, M] = sum_a wts[t, a] * dequant(w[ids[t, a]]) @ x[t, a] (x [T, A, K] in 8 bits)."""
+    T, M = out.shape
+    _down_combine_kernel(qtype)[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
+        out, w, xq, xds, ids, wts, w.shape[2], K)
+
+
+# ---------------------------------------------------------------- norm_rope_store
+# Heads 0..H-1 are q[t], H..H+Hkv-1 k[t], then Hkv heads of v[t]; one warp per (token, head),
+# grid (T, ceil((H + 2 Hkv) / warps)), lane l holding dims l, l + 32, ... (DPL of them):
+#   q, k heads: [x <- x / sqrt(mean(x^2) + eps) * w (norm_q / norm_k)], then RoPE over the
+#               first n_rot dims (the pair's partner read from shared memory), written back;
+#   k, v heads: also written to row pos[t] of the f16 cache.
+# As ops.rms_norm (one warp for a row of Dh <= 256: same sum order) and ops.rope (angle in
+# float64), so the result is the one of the separate launches.
+
+def _norm_rope_store_kernel(Dh):
+    DPL = (Dh + 31) // 32
+
+    def build():
+        @cuda.jit
+        def norm_rope_store_kernel(q, k, v, k_cache, v_cache, pos, wq, wk, eps, do_norm,
+                                   n_rot, freq_base, neox, freq_scale):
+            sh = cuda.shared.array((8, 8 * 32), f32)     # a warp's head (Dh <= 256, 8 warps)
+            H, Hkv = q.shape[1], k.shape[1]
+            lane = cuda.threadIdx.x
+            wy = cuda.threadIdx.y
+            t = cuda.blockIdx.x
+            hh = cuda.blockIdx.y * cuda.blockDim.y + wy
+            kind = 0 if hh < H else (1 if hh < H + Hkv else 2)   # q, k, v head
+            hx = min(hh, H + 2 * Hkv - 1)
+            h = hx if kind == 0 else (hx - H if kind == 1 else hx - H - Hkv)
+            vals = cuda.local.array(DPL, f32)
+            ss = f32(0.0)
+            for c in range(DPL):
+                d = lane + 32 * c
+                x = f32(0.0)
+                if d < Dh:
+                    x = q[t, h, d] if kind == 0 else (k[t, h, d] if kind == 1 else v[t, h, d])
+                vals[c] = x
+                ss += x * x
+            ss = warp_sum(ss)
+            if do_norm and kind < 2:
+                scale = f32(1.0 / math.sqrt(float(ss) / Dh + eps))
+                for c in range(DPL):
+                    d = lane + 32 * c
+                    if d < Dh:
+                        vals[c] = vals[c] * scale * (wq[d] if kind == 0 else wk[d])
+            for c in range(DPL):
+                sh[wy, lane + 32 * c] = vals[c]
+            cuda.syncthreads()
+            half = n_rot // 2
+            for c in range(DPL):
+                d = lane + 32 * c
+                if kind < 2 and d < n_rot:
+                    if neox:
+                        i = d if d < half else d - half
+                        x0 = sh[wy, i]
+                        x1 = sh[wy, i + half]
+                        first = d < half
+                    else:
+                        i = d // 2
+                        x0 = sh[wy, 2 * i]
+                        x1 = sh[wy, 2 * i + 1]
+                        first = d % 2 == 0
+                    theta = float(pos[t]) * (freq_scale * math.pow(freq_base, -2.0 * i / n_rot))
+                    cs = f32(math.cos(theta))
+                    sn = f32(math.sin(theta))
+                    vals[c] = x0 * cs - x1 * sn if first else x0 * sn + x1 * cs
+            if hh < H + 2 * Hkv:
+                p = pos[t]
+                for c in range(DPL):
+                    d = lane + 32 * c
+                    if d < Dh:
+                        if kind == 0:
+                            q[t, h, d] = vals[c]
+                        elif kind == 1:
+                            k[t, h, d] = vals[c]
+                            k_cache[p, h, d] = np.float16(vals[c])
+                        else:
+                            v_cache[p, h, d] = np.float16(vals[c])
+        return norm_rope_store_kernel
+    return _cached(("norm_rope_store", Dh), build)
+
+
+ROPE_WARPS = 4
+
+
+def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq_base, neox,
+                    freq_scale=1.0, stream=0):
+    """q [T, H, Dh], k, v [T, Hkv, Dh] (device): [per-head RMS norm with wq / wk (None: no
+    norm)], RoPE of q and k in place, then k and v as f16 into cache rows pos[t] (pos a
+    device int32 [T]). Dh <= 256."""
+    T, H, Dh = q.shape
+    Hkv = k.shape[1]
+    if Dh > 256:
+        raise ValueError("norm_rope_store: head dim above 256")
+    do_norm = wq is not None
+    if not do_norm:
+        wq = wk = pos          # typed stand-ins, never read
+    n = H + 2 * Hkv
+    _norm_rope_store_kernel(Dh)[(T, (n + ROPE_WARPS - 1) // ROPE_WARPS), (32, ROPE_WARPS), stream](
+        q, k, v, k_cache.view(np.float16), v_cache.view(np.float16), pos, wq, wk, float(eps),
+        do_norm, int(n_rot), float(freq_base), bool(neox), float(freq_scale))
