@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
-#   bash tools/gpu_report.sh [tests] [model] [bench-gpu] [bench-hybrid] [kernels] [tiles] [profile]
+#   bash tools/gpu_report.sh [tests] [hybrid-tests] [model] [tg-ab] [bench-gpu] [bench-hybrid]
+#                            [kernels] [tiles] [profile]
 # Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
 # (default /tmp/q3moe-30b.gguf, made when missing). Each step has its own time limit.
 set -u
@@ -20,6 +21,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for s in $steps; do case $s in
   tests) NBMOE_REAL_GPU=1 step tests 400 python -m pytest -q -x tests/test_cuda_kernels.py \
              tests/test_cuda_kquants.py tests/test_hybrid.py ;;
+  hybrid-tests) NBMOE_REAL_GPU=1 step hybrid-tests 300 python -m pytest -q -x tests/test_hybrid.py ;;
+  tg-ab) # decode with and without the fused groups (NBMOE_NO_FUSE=1), all on GPU and hybrid
+         step tg-gpu 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2 --timings
+         NBMOE_NO_FUSE=1 step tg-gpu-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2
+         step tg-hybrid 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -p 0 \
+             -n 128 -r 2 --timings
+         NBMOE_NO_FUSE=1 step tg-hybrid-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 \
+             -ot exps=CPU -t 16 -p 0 -n 128 -r 2 ;;
   model) [ -f "$MODEL" ] || step model 300 python tools/make_model.py --preset qwen3-30b-a3b \
              --type exps=Q4_0 --type default=Q8_0 -o "$MODEL" ;;
   bench-gpu) step bench-gpu 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 128 \
