@@ -41,11 +41,32 @@ class Backend:
         pass
 
     # -- binders ---------------------------------------------------------------------------
+    # Runs of nodes that one fused kernel does (fusion.find_groups) are found per plan, before
+    # binding: the group's first node binds the whole group (`_bind_<kind>`, a step per
+    # member, None where another member's step does the work).
+    fuse_kinds = ()
+    _groups = {}
+
+    def vec_ok(self, node, n_tokens):
+        """Whether this product runs on the matrix-vector path the fused kernels share."""
+        return False
+
     def prepare(self, graph):
         """Called with a plan's graph (backends assigned) before its nodes are bound."""
+        from .fusion import find_groups
+        T = graph.n_tokens
+        self._groups = (find_groups(graph.nodes, self.name, T, lambda n: self.vec_ok(n, T),
+                                    self.max_vec_t, self.fuse_kinds) if self.fuse_kinds else {})
 
     def bind(self, node, buf, state):
-        return getattr(self, "bind_" + node.op.lower())(node, buf, state)
+        group = self._groups.get(id(node))
+        if group is None:
+            return getattr(self, "bind_" + node.op.lower())(node, buf, state)
+        kind, members = group
+        if node is members[0]:
+            self._group_steps = getattr(self, "_bind_" + kind)(members, buf, state)
+        step = self._group_steps[[id(n) for n in members].index(id(node))]
+        return step if step is not None else _no_step
 
     def bind_get_rows(self, node, buf, state):
         (w, qtype), out, ids, mm = self.weight(node.weight), buf[node.out], buf[node.srcs[0]], self.mm
@@ -132,11 +153,53 @@ class Backend:
 
 class CPUBackend(Backend):
     name = "CPU"
+    fuse_kinds = ("products", "glu", "glu_id", "down_combine")
 
     def __init__(self, tensors):
         super().__init__(tensors)
-        from .cpu import attention, matmul, moe, ops
-        self.mm, self.ops, self.attn, self.moe = matmul, ops, attention, moe
+        from .cpu import attention, fused, matmul, moe, ops
+        self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
+        self.max_vec_t = matmul.BLAS_MIN_T - 1
+
+    def vec_ok(self, node, n_tokens):
+        return n_tokens < self.mm.BLAS_MIN_T
+
+    # -- fused groups (cpu/fused.py) ---------------------------------------------------------
+    def _bind_products(self, members, buf, state):
+        ops = [self.mul_mat_operands(n, buf) for n in members]
+        outs, ws = [o[0] for o in ops], [o[1] for o in ops]
+        x, qtype, mm, fused = ops[0][2], ops[0][3], self.mm, self.fused
+        step = mm.item_rows(sum(w.shape[0] for w in ws), ws[0].shape[1], x.shape[0])
+        int8 = mm._int8(qtype)
+        return [None] * (len(members) - 1) + [
+            _labelled(lambda: fused.products(outs, ws, x, qtype, int8, step), "MUL_MAT")]
+
+    def _bind_glu(self, members, buf, state):
+        gate, up, glu = members
+        _, wg, x, qtype = self.mul_mat_operands(gate, buf)
+        wu = self.mul_mat_operands(up, buf)[1]
+        out, act, mm, fused = _rows2d(buf[glu.out]), _act(self.fused, glu), self.mm, self.fused
+        step, int8 = mm.item_rows(wg.shape[0], 2 * wg.shape[1], x.shape[0]), mm._int8(qtype)
+        return [None, None, _labelled(lambda: fused.glu(out, wg, wu, x, qtype, int8, step, act),
+                                      "MUL_MAT+GLU")]
+
+    def _bind_glu_id(self, members, buf, state):
+        gate, up, glu = members
+        _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
+        wu = self.mul_mat_id_operands(up, buf)[1]
+        out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
+        step, int8 = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0]), mm._int8(qtype)
+        return [None, None, _labelled(
+            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
+
+    def _bind_down_combine(self, members, buf, state):
+        down, combine = members
+        _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
+        out, wts, mm, fused = buf[combine.out], buf[combine.srcs[1]], self.mm, self.fused
+        A = ids.shape[1]
+        step, int8 = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0]), mm._int8(qtype)
+        return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step),
+                                "MUL_MAT_ID+MOE_COMBINE")]
 
     def alloc(self, shape, dtype):
         return np.zeros(shape, dtype)
@@ -157,3 +220,21 @@ class CPUBackend(Backend):
         if t.ggml_type == GGMLQuantizationType.F32:
             return t.data.view(np.float32).reshape(-1)
         return self.mm.dequantize(t.data.reshape(1, -1), int(t.ggml_type)).reshape(-1)
+
+
+def _no_step():
+    """The step of a group member whose work another member's step does (not run)."""
+
+
+_no_step.skip = True
+
+
+def _labelled(step, label):
+    """A step with the op name --timings files it under."""
+    step.label = label
+    return step
+
+
+def _act(fused, glu):
+    """The fused kernels' activation code of a GLU node."""
+    return fused.ACT_SILU if glu.params["act"] == "silu" else fused.ACT_GELU

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .backend import Backend, _rows2d
+from .backend import Backend, _act, _labelled, _rows2d
 from .errors import NbmoeError
 
 
@@ -35,9 +35,6 @@ def device_names():
 # goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
 # on a copy stream so that the next tensor's upload overlaps this one's product.
 PREFETCH_PAIRS_PER_EXPERT = 4
-# Runs of decode nodes bound to one fused kernel (nbmoe/fusion.py, cuda/fused.py);
-# NBMOE_NO_FUSE=1 binds every node on its own (for A/B timings).
-FUSE_GROUPS = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 
 
 class PrefetchChain:
@@ -121,6 +118,7 @@ class CUDABackend(Backend):
         from .cuda import attention, fused, graphs, matmul, moe, ops
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = int(name[4:])
+        self.max_vec_t = matmul.MMV_MAX_T
         cuda.select_device(self.device)
         # One stream per GPU, blocking: copies on the default stream stay ordered with it.
         self.stream = cuda.stream()
@@ -219,34 +217,21 @@ class CUDABackend(Backend):
     # copy into it would mean it was not valid here before. `_last` describes the node bound
     # last on this GPU, with its buffer table (so nothing fuses across plans): ("add", node,
     # buf, cell), ("norm", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
-    # Longer runs (fusion.find_groups) are found per plan by `prepare`, before binding: the
-    # group's first node binds the whole group, each member gets its step (most of them none).
+    # Longer runs (fusion.find_groups, see Backend.prepare) bind as one: the members after
+    # the first carry the record of the node before the group.
+    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "rope_attn")
     _last = None
-    _groups = {}
 
-    def prepare(self, graph):
-        """Called with a plan's graph, backends assigned, before its nodes are bound."""
-        from .fusion import find_groups
-        mm = self.mm
-
-        def int8_ok(node):
-            t = self.tensors[node.weight]
-            return mm.quantizes_x(int(t.ggml_type), graph.n_tokens, int(t.ne[0]))
-        self._groups = (find_groups(graph.nodes, self.name, graph.n_tokens, int8_ok, mm.MMV_MAX_T)
-                        if FUSE_GROUPS else {})
+    def vec_ok(self, node, n_tokens):
+        t = self.tensors[node.weight]
+        return self.mm.quantizes_x(int(t.ggml_type), n_tokens, int(t.ne[0]))
 
     def bind(self, node, buf, state):
         self._prev, self._last = self._last, None
         group = self._groups.get(id(node))
-        if group is None:
-            return super().bind(node, buf, state)
-        kind, members = group
-        if node is members[0]:
-            self._group_steps = getattr(self, "_bind_" + kind)(members, buf, state)
-        else:
-            self._last = self._prev          # a member without a step of its own
-        step = self._group_steps[[id(n) for n in members].index(id(node))]
-        return step if step is not None else _no_step
+        if group is not None and node is not group[1][0]:
+            self._last = self._prev
+        return super().bind(node, buf, state)
 
     def bind_add(self, node, buf, state):
         out, a, b = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
@@ -331,14 +316,11 @@ class CUDABackend(Backend):
             fused.products_q8(outs, ws, xq, xds, qtype, K)
         return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT")]
 
-    def _act(self, glu):
-        return self.fused.ACT_SILU if glu.params["act"] == "silu" else self.fused.ACT_GELU
-
     def _bind_glu(self, members, buf, state):
         gate, up, glu = members
         _, wg, x, qtype = self.mul_mat_operands(gate, buf)
         wu = self.mul_mat_operands(up, buf)[1]
-        out, act, K = _rows2d(buf[glu.out]), self._act(glu), x.shape[1]
+        out, act, K = _rows2d(buf[glu.out]), _act(self.fused, glu), x.shape[1]
         x8, fused = self._x8(gate, buf, qtype, x), self.fused
 
         def run():
@@ -350,7 +332,7 @@ class CUDABackend(Backend):
         gate, up, glu = members
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
-        out, act, X, K = buf[glu.out], self._act(glu), x.shape[1], x.shape[2]
+        out, act, X, K = buf[glu.out], _act(self.fused, glu), x.shape[1], x.shape[2]
         x8, fused = self._x8(gate, buf, qtype, x), self.fused
 
         def run():
@@ -439,16 +421,3 @@ class CUDABackend(Backend):
             self.last_uploaded = len(used)
             mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)
         return run
-
-
-def _no_step():
-    """The step of a group member whose work another member's step does (not run)."""
-
-
-_no_step.skip = True
-
-
-def _labelled(step, label):
-    """A step with the op name --timings files it under."""
-    step.label = label
-    return step

@@ -171,11 +171,17 @@ def explain(llm, ubatch):
 
 def show_timings(llm, kind, n, n_batch, rng):
     """Run the test once more with every step timed (GPU steps waited for); print the
-    breakdown per token."""
+    breakdown per token. Decoding with CUDA graphs: a second table times each graph whole."""
+    _timed_run(llm, kind, n, n_batch, rng, False)
+    if kind == "tg" and len(llm.backends) > 1:
+        _timed_run(llm, kind, n, n_batch, rng, True)
+
+
+def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     from .explain import timings_table
     from .scheduler import new_timing_table
     llm.reset()
-    acc = new_timing_table()
+    acc = new_timing_table(whole_graphs)
     t0 = time.perf_counter()
     if kind == "pp":
         ids = rng.integers(0, llm.cfg.n_vocab, n).tolist()
@@ -186,7 +192,8 @@ def show_timings(llm, kind, n, n_batch, rng):
         for _ in range(n):
             llm._decode([tok], all_logits=False, timings=acc)
     table = timings_table(acc, time.perf_counter() - t0, n)
-    table.title = f"{kind}{n}: " + (table.title or "")
+    table.title = (f"{kind}{n}{', CUDA graphs timed whole' if whole_graphs else ''}: "
+                   + (table.title or ""))
     Console(stderr=True, width=200).print(table)
 
 

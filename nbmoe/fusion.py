@@ -10,18 +10,24 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
 
-Products need resident weights (cause `wgt`) on the 8-bit x path (`int8_ok(node)`): the
-fused kernels are the matrix-vector ones.
+Products need resident weights (cause `wgt`) on the matrix-vector path the fused kernels
+share (`vec_ok(node)`; on the GPU, with x in 8 bits). The GPU fuses every kind
+(nbmoe/cuda/fused.py), the CPU the products (nbmoe/cpu/fused.py).
 """
+import os
+
+# NBMOE_NO_FUSE=1 binds every node on its own (for A/B timings and debugging).
+ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
+KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 
 
-def find_groups(nodes, backend, n_tokens, int8_ok, max_t):
-    """{id(node): (kind, members)} for the nodes of `backend`. int8_ok(node): the node's
-    product runs on the 8-bit x path; max_t: the matrix-vector kernels' token limit."""
+def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS):
+    """{id(node): (kind, members)} for the nodes of `backend`. vec_ok(node): the node's
+    product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit."""
     groups, i = {}, 0
-    while i < len(nodes):
-        found = _match(nodes, i, backend, n_tokens, int8_ok, max_t)
-        if found is None:
+    while ENABLED and i < len(nodes):
+        found = _match(nodes, i, backend, n_tokens, vec_ok, max_t)
+        if found is None or found[0] not in kinds:
             i += 1
             continue
         kind, members = found
@@ -31,11 +37,11 @@ def find_groups(nodes, backend, n_tokens, int8_ok, max_t):
     return groups
 
 
-def _product(node, op, backend, int8_ok):
-    return (node.op == op and node.backend == backend and node.cause == "wgt" and int8_ok(node))
+def _product(node, op, backend, vec_ok):
+    return (node.op == op and node.backend == backend and node.cause == "wgt" and vec_ok(node))
 
 
-def _match(nodes, i, backend, T, int8_ok, max_t):
+def _match(nodes, i, backend, T, vec_ok, max_t):
     def at(j):
         return nodes[i + j] if i + j < len(nodes) else None
 
@@ -44,21 +50,21 @@ def _match(nodes, i, backend, T, int8_ok, max_t):
         return None
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
-        if (ok_t and n2 is not None and _product(n0, op, backend, int8_ok)
-                and _product(n1, op, backend, int8_ok) and n0.srcs == n1.srcs
+        if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok)
+                and _product(n1, op, backend, vec_ok) and n0.srcs == n1.srcs
                 and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
             return kind, [n0, n1, n2]
     # products of one input
-    if T == 1 and _product(n0, "MUL_MAT", backend, int8_ok):
+    if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
         run = [n0]
         while (len(run) < 3 and at(len(run)) is not None
-               and _product(at(len(run)), "MUL_MAT", backend, int8_ok)
+               and _product(at(len(run)), "MUL_MAT", backend, vec_ok)
                and at(len(run)).srcs == n0.srcs):
             run.append(at(len(run)))
         if len(run) >= 2:
             return "products", run
     # expert down product and the weighted sum
-    if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, int8_ok)
+    if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, vec_ok)
             and n1.op == "MOE_COMBINE" and n1.backend == backend and n1.srcs[0] == n0.out):
         return "down_combine", [n0, n1]
     return _match_rope_attn(nodes, i, backend)

@@ -99,10 +99,13 @@ class Plan:
     def run_timed(self, acc):
         """Like run, but each step is timed (GPU steps synchronised first, so their time is
         their own): acc[(backend, op)] += seconds; copies are ("COPY", dst). The steps of a
-        recorded CUDA graph are timed one by one on the GPU (GraphRun.run_timed)."""
+        recorded CUDA graph are timed one by one on the GPU (GraphRun.run_timed), or, when
+        acc.whole_graphs is set, each graph as one step as it runs untimed (launch, device
+        time and the wait at its end: the real cost of a GPU segment in a hybrid token)."""
         clock = time.perf_counter
+        whole = getattr(acc, "whole_graphs", False)
         for (backend, what), step in zip(self.labels, self.steps):
-            if hasattr(step, "run_timed"):
+            if hasattr(step, "run_timed") and not whole:
                 step.run_timed(acc)
                 continue
             t0 = clock()
@@ -239,5 +242,13 @@ def _graph_runs(steps, labels, record_on, backends):
     return out_steps, out_labels
 
 
-def new_timing_table():
-    return defaultdict(float)
+class TimingTable(defaultdict):
+    """acc[(backend, op)] -> seconds; whole_graphs: time recorded CUDA graphs as one step."""
+
+    def __init__(self, whole_graphs=False):
+        super().__init__(float)
+        self.whole_graphs = whole_graphs
+
+
+def new_timing_table(whole_graphs=False):
+    return TimingTable(whole_graphs)

@@ -1,0 +1,130 @@
+"""Fused decode products on the CPU: several graph nodes in one parallel region.
+
+Each parallel region costs a fork and a join of the thread pool (~10-30 us with 16 threads),
+and a decoding token of a MoE layer made five of them for the experts alone (gate, up, GLU,
+down, combine), plus three for q, k, v. fusion.find_groups finds the same runs of nodes as
+for the GPU, and the CPU backend binds them to these (matrix-vector path, T < BLAS_MIN_T):
+
+  products      outs[j] = x @ W_j^T for 2-3 weights of one type, x prepared once; the
+                work items run over the rows of all of them
+  glu           out = act(x @ Wg^T) * (x @ Wu^T): an item computes both row runs, then the GLU
+  glu_id        the same for each (token, chosen expert) pair, grouped by expert as mul_mat_id
+  down_combine  out[t] = sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): an item is a run
+                of output rows; it dots every chosen expert's rows and sums in order a
+
+Each product row is the one matmul's kernels compute (same x preparation, same row dots), so
+the results equal the unfused nodes' (the GLU and the weighted sum in the same order).
+act: ACT_SILU or ACT_GELU (ops' row functions).
+"""
+import numpy as np
+from numba import njit, prange
+
+from .matmul import _dot_rows, _group_by_expert, _prepare_x
+from .ops import _geglu_row, _swiglu_row
+
+ACT_SILU, ACT_GELU = 0, 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _glu_rows(out, g, u, act):
+    if act == ACT_SILU:
+        _swiglu_row(out, g, u)
+    else:
+        _geglu_row(out, g, u)
+
+
+# ---------------------------------------------------------------- products
+# ws, outs: tuples of 3 (a run of two repeats the second with M = 0 rows: n_items[2] = 0).
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _products(outs, ws, x, qtype, int8, step, n_rows):
+    xsum, xi = _prepare_x(x, int8, qtype)
+    n0 = (n_rows[0] + step - 1) // step
+    n1 = (n_rows[1] + step - 1) // step
+    n2 = (n_rows[2] + step - 1) // step
+    for item in prange(n0 + n1 + n2):
+        j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
+        i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
+        w, out = ws[j], outs[j]
+        r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
+        for t in range(x.shape[0]):
+            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+
+
+def products(outs, ws, x, qtype, int8, step):
+    """outs[j] [T, M_j] = x [T, K] @ dequant(ws[j])^T for 2 or 3 weights of one type."""
+    rows = [w.shape[0] for w in ws]
+    if len(ws) == 2:
+        outs, ws, rows = (outs[0], outs[1], outs[1]), (ws[0], ws[1], ws[1]), rows + [0]
+    _products(tuple(outs), tuple(ws), x, qtype, int8, step, np.array(rows, np.int64))
+
+
+# ---------------------------------------------------------------- glu (dense)
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def glu(out, wg, wu, x, qtype, int8, step, act):
+    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T); items of `step` rows."""
+    xsum, xi = _prepare_x(x, int8, qtype)
+    M = wg.shape[0]
+    for item in prange((M + step - 1) // step):
+        r0, r1 = item * step, min(M, (item + 1) * step)
+        g = np.empty(r1 - r0, np.float32)
+        u = np.empty(r1 - r0, np.float32)
+        for t in range(x.shape[0]):
+            _dot_rows(qtype, g, wg[r0:r1], x, t, xsum, xi, int8)
+            _dot_rows(qtype, u, wu[r0:r1], x, t, xsum, xi, int8)
+            _glu_rows(out[t, r0:r1], g, u, act)
+
+
+# ---------------------------------------------------------------- glu_id (experts)
+# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs.
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
+    E, M = wg.shape[0], wg.shape[1]
+    T, X, K = x.shape
+    A = ids.shape[1]
+    order, start = _group_by_expert(ids, E)
+    xf = x.reshape(T * X, K)
+    xsum, xi = _prepare_x(xf, int8, qtype)
+    used = np.flatnonzero(start[1:] > start[:-1])
+    n_runs = (M + step - 1) // step
+    for item in prange(used.shape[0] * n_runs):
+        e = used[item // n_runs]
+        r0 = item % n_runs * step
+        r1 = min(M, r0 + step)
+        g = np.empty(r1 - r0, np.float32)
+        u = np.empty(r1 - r0, np.float32)
+        for p in range(start[e], start[e + 1]):
+            t, a = order[p] // A, order[p] % A
+            n = t * X + (a if X == A else 0)
+            _dot_rows(qtype, g, wg[e, r0:r1], xf, n, xsum, xi, int8)
+            _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+            _glu_rows(out[t, a, r0:r1], g, u, act)
+
+
+# ---------------------------------------------------------------- down_combine
+# out [T, M] = sum_a wts[t, a] * W[ids[t, a]] @ x[t, a] (x [T, A, K]); an item = a run of
+# `step` output rows for every token, the A expert rows dotted into y and summed in order a
+# (as moe_combine: out = w0 * y0, then out += w_a * y_a).
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def down_combine(out, w, x, ids, wts, qtype, int8, step):
+    M = w.shape[1]
+    T, A, K = x.shape
+    xf = x.reshape(T * A, K)
+    xsum, xi = _prepare_x(xf, int8, qtype)
+    for item in prange((M + step - 1) // step):
+        r0, r1 = item * step, min(M, (item + 1) * step)
+        y = np.empty(r1 - r0, np.float32)
+        for t in range(T):
+            o = out[t, r0:r1]
+            for a in range(A):
+                _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+                wa = wts[t, a]
+                if a == 0:
+                    for i in range(r1 - r0):
+                        o[i] = wa * y[i]
+                else:
+                    for i in range(r1 - r0):
+                        o[i] += wa * y[i]

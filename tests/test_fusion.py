@@ -1,0 +1,40 @@
+"""Fused decode groups on the CPU (fusion.find_groups + nbmoe/cpu/fused.py): the same logits
+as binding every node on its own, on the 8-bit and the float path, MoE and dense."""
+import numpy as np
+import pytest
+
+import nbmoe
+from nbmoe import fusion
+from nbmoe.cpu import matmul
+
+MOE = dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=64,
+           n_expert=8, n_expert_used=3, n_ff_exp=64)
+DENSE = dict(arch="qwen3")
+
+
+def decode(path):
+    llm = nbmoe.load(path, n_ctx=32, threads=2)
+    out = [llm.eval([1, 17, 40])]
+    for tok in (5, 9):
+        out.append(llm.eval([tok]))
+    return out, llm
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("shape", ["moe", "dense"])
+def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
+    if int8 and not matmul.HAS_VNNI:
+        pytest.skip("the 8-bit path is off without VNNI")
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    path = (tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0") if shape == "moe"
+            else tiny_model(**DENSE, default_type="Q4_1"))
+    fused, llm = decode(path)
+    kinds = {k for k, _ in llm.backends["CPU"]._groups.values()}
+    assert kinds == ({"products", "glu_id", "down_combine"} if shape == "moe" else {"products", "glu"})
+    labels = {op for _, op in llm.plan(1, 1).labels}
+    assert "MUL_MAT_ID" not in labels and "GLU" not in labels and "MOE_COMBINE" not in labels
+    monkeypatch.setattr(fusion, "ENABLED", False)
+    plain, llm = decode(path)
+    assert llm.backends["CPU"]._groups == {}
+    for a, b in zip(fused, plain):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
