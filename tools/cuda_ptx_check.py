@@ -49,7 +49,7 @@ def main():
                                        gather)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
-            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
             # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
             ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
             d = a.keep or tempfile.mkdtemp()
@@ -58,8 +58,8 @@ def main():
                 f.write(ptx)
             r = subprocess.run([a.ptxas, "-arch=sm_90", "-v", path, "-o", path + ".cubin"],
                                capture_output=True, text=True)
-            info = " ".join(m.strip() for m in re.findall(r"ptxas info\s*:\s*(Used.*|\d+ bytes stack.*)",
-                                                         r.stderr + r.stdout))
+            out = r.stderr + r.stdout
+            info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
             n_mma = ptx.count("mma.sync")
             print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {n_mma} mma in PTX: "
                   f"{'OK' if r.returncode == 0 else 'FAILED'} {info}", flush=True)

@@ -12,7 +12,7 @@ an optional stream and never waits for the device. Hot loops load through the ld
 (32-bit offsets, no negative-index fix-ups): Numba's own x[t, i] costs ~10 64-bit integer
 instructions a load, which made the first matrix-vector kernel instruction-bound.
 
-Two kernels, chosen per call by the number of tokens T sharing a weight matrix:
+Kernels, chosen per call by the number of tokens T sharing a weight matrix:
   matrix-vector (T <= MMV_MAX_T: generation)  one warp per weight row; lane l decodes units
       l, l + 32, ... of the row (a warp reads contiguous bytes), dots each with the NT tokens'
       x while in registers, and the warp sums its lanes by shuffles. Weights are read once.
@@ -20,7 +20,9 @@ Two kernels, chosen per call by the number of tokens T sharing a weight matrix:
       a second launch) and a unit costs two dp4a; float types dot in float32.
   tiled (prompts)  a block computes a TILE_M x TILE_T tile of out: per 32-value step it decodes
       TILE_M rows' block into shared memory (one unit per thread) next to TILE_T tokens' x,
-      then each thread accumulates an RM x RT piece from shared memory.
+      then each thread accumulates an RM x RT piece from shared memory. Block types with
+      integer codes (MMA, INT8_DOT) go to matmul_mma.py instead: x in 8 bits, the codes'
+      dot products on int8 tensor cores (mma.sync), scaled per 32-block in float32.
 mul_mat_id: for T <= MMV_MAX_T one matrix-vector block row per (token, slot) pair (its expert
 read on the device); for prompts the pairs are grouped by expert on the device (one block:
 counts, offsets, a table of (expert, first pair, pairs) tiles), then the tiled kernel runs

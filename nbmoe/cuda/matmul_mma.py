@@ -8,7 +8,7 @@ chosen per token, X x rows per token, N = T * A pairs. The unit: 8 values of a b
 
 x is quantized once to 8 bits per 32-block (matmul._quantize_x: xq int32 words of 4 codes,
 xds (xd, xs = xd * sum of codes) per block), the weights' units decoded by idec to int8 codes
-with value = d * code + m. Per 32-block b (or 16-value half h where the scale changes every
+with value = d * code + m (Q4_0, Q5_0: codes q - 8, q - 16 and m = 0). Per 32-block b (or 16-value half h where the scale changes every
 16 values: Q3_K, Q6_K, which have m = 0):
 
     out[t, r] = sum_b  d[r, b] * xd[t, b] * (codes[r, b] . xcodes[t, b])  +  m[r, b] * xs[t, b]
@@ -23,7 +23,7 @@ from numba import cuda
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32
 from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, unit_words
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
-from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, qtype_info
+from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
 from .quants_iq4 import IQ4_NL, IQ4_XS, MXFP4
 from .quants_k import Q3_K, Q4_K, Q5_K, Q6_K
 
@@ -31,17 +31,24 @@ f32 = np.float32
 i32 = np.int32
 u32 = np.uint32
 
-# Types whose d changes every 16 values (two k16 products a block; their m is 0), and the
-# types with an offset m (the others have m = 0: no offset term).
+# Types whose d changes every 16 values (two k16 products a block; their m is 0); types with
+# an offset m of their own (the others have m = 0: no offset term); types whose m is a fixed
+# multiple of d, m = -o d, moved into the codes instead (q - o as int8: (q + 128 - o) ^ 0x80
+# a byte; no offset term either).
 PER16 = {Q3_K, Q6_K}
-HAS_M = {Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K}
-assert not PER16 & HAS_M and Q8_0 not in HAS_M and not {IQ4_NL, IQ4_XS, MXFP4} & HAS_M
+HAS_M = {Q4_1, Q5_1, Q4_K, Q5_K}
+TO_SIGNED = {Q4_0: 0x78787878, Q5_0: 0x70707070}          # + 128 - 8, + 128 - 16 a byte
+assert not PER16 & HAS_M and not (PER16 | HAS_M) & set(TO_SIGNED)
+assert not {Q8_0, IQ4_NL, IQ4_XS, MXFP4} & HAS_M
 
 # A block computes TM rows x TT tokens (TT_ID token slots of one expert for mul_mat_id) with
 # WM x WT warps, each a (TM / WM) x (TT / WT) piece of 16 x 8 mma tiles; it steps K by KB
 # blocks of 32 (shared memory: ~(TM + TT) * (32 KB + 16) * 4 bytes, <= 48 KB). The simulator
 # keeps a few small warps (every thread is a Python thread there).
 TM, TT, TT_ID, WM, WT, KB = (32, 16, 16, 2, 1, 2) if SIM else (128, 64, 64, 4, 2, 4)
+# Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
+# * threads), 128 at 256 threads; unbounded, some types took ~155 and ran one block an SM).
+MIN_BLOCKS = 2
 
 I2F_MAGIC = 0x4B400000           # float32 1.5 * 2^23: an int below 2^22 added to its mantissa
 F_MAGIC = f32(12582912.0)
@@ -63,11 +70,11 @@ def i2f(c):
 # Block: NTH = 32 * WM * WT threads. Per K step of KB blocks (kb0 = step * KB):
 #  1. all threads fill shared memory, a unit (8 codes = 2 words) or an x word each
 #                    k-step words 0 .. 8 KB - 1 (+ 4 pad)           scales
-#       ws [TM, S]   row i: codes of w row r0 + i, in k order       wd [KB or 2 KB, TM]  d
+#       wc [TM, S]   row i: codes of w row r0 + i, in k order       wd [KB or 2 KB, TM]  d
 #                    (block kb = words 8 kb .. 8 kb + 7)            wm [KB, TM]          m
-#       xs [TT, S]   slot j: x codes of x row xrow[j]               xd, xsm [KB, TT]     xd, xs
-#     Row stride S = 8 KB + 4 words: the fragment loads of a warp (rows g = 0..7, words t =
-#     0..3) hit banks 4 g + t mod 32 + const: all different, no bank conflicts.
+#       xc [TT, S]   slot j: x codes of x row xrow[j]               xd, xsum [KB, TT]    xd, xs
+#     Row stride S = 8 KB + 4 words (= 4 mod 8): the fragment loads of a warp (rows g = 0..7,
+#     words t = 0..3) hit banks (S g + t + const) mod 32: all different, no bank conflicts.
 #  2. warp (wm, wt) = (warp % WM, warp // WM) owns rows wm * TM / WM + 16 i (i < MI) and slots
 #     wt * TT / WT + 8 j (j < NJ): per block kb it loads the A fragments of its MI row tiles
 #     and the B fragments of its NJ slot tiles (words 8 kb + t, 8 kb + 4 + t: mma.py's table),
@@ -81,6 +88,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     per16, has_m = int(qtype) in PER16, int(qtype) in HAS_M
+    signed = int(qtype) in TO_SIGNED
+    shift = u32(TO_SIGNED.get(int(qtype), 0))
     assert not (per16 and split)           # per-16 scales need linear units (half = u // 2)
     NTH = 32 * WM * WT
     WR, WC = TM // WM, TT // WT            # a warp's rows and slots
@@ -93,14 +102,14 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
     UNITS = TM * KB * 4                    # units decoded per K step
 
     def build():
-        @cuda.jit
+        @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
         def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X):
-            ws = cuda.shared.array((TM, S), i32)
-            xs = cuda.shared.array((TT, S), i32)
+            wc = cuda.shared.array((TM, S), i32)
+            xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
             wm = cuda.shared.array((KB, TM), f32)
             xd = cuda.shared.array((KB, TT), f32)
-            xsm = cuda.shared.array((KB, TT), f32)
+            xsum = cuda.shared.array((KB, TT), f32)
             xrow = cuda.shared.array(TT, i32)
             orow = cuda.shared.array(TT, i32)
             tid = cuda.threadIdx.x
@@ -134,16 +143,16 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
             t4 = lane & 3
             rw = (warp % WM) * WR                    # the warp's first row and slot in the tile
             cw = (warp // WM) * WC
-            wa = 4 * ((rw + g) * S + t4)             # byte offsets: ws row rw + g, word t4
-            xa = 4 * ((cw + g) * S + t4)             # xs slot cw + g, word t4
+            wa = 4 * ((rw + g) * S + t4)             # byte offsets: wc row rw + g, word t4
+            xa = 4 * ((cw + g) * S + t4)             # xc slot cw + g, word t4
             da = 4 * (rw + g)                        # wd, wm column rw + g
-            sa = 4 * (cw + 2 * t4)                   # xd, xsm column cw + 2 t4
+            sa = 4 * (cw + 2 * t4)                   # xd, xsum column cw + 2 t4
             acc = cuda.local.array(ACC, f32)
             bx0 = cuda.local.array(NJ, i32)          # B fragments of the warp's slot tiles
             bx1 = cuda.local.array(NJ, i32)
             sx0 = cuda.local.array(NJ, f32)          # xd of the lane's two slots of each tile
             sx1 = cuda.local.array(NJ, f32)
-            mx0 = cuda.local.array(NJ, f32)          # xs of them (types with m)
+            mx0 = cuda.local.array(NJ, f32)          # xc of them (types with m)
             mx1 = cuda.local.array(NJ, f32)
             for i in range(ACC):
                 acc[i] = f32(0.0)
@@ -161,9 +170,12 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                     if kb < nkb:
                         base = (rbase + min(r0 + rr, M - 1)) * RB
                         c0, c1, d, m4 = idec(w, base, kb0 + kb, u)
+                        if signed:
+                            c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
+                            c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
                         w0, w1 = unit_words(kb, u, split)
-                        ws[rr, w0] = c0
-                        ws[rr, w1] = c1
+                        wc[rr, w0] = c0
+                        wc[rr, w1] = c1
                         if per16:
                             if (u & 1) == 0:
                                 wd[2 * kb + (u >> 1), rr] = d
@@ -176,14 +188,14 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                     c = n - j * KW
                     xr = xrow[j]
                     ok = xr >= 0 and (c >> 3) < nkb
-                    xs[j, c] = ld_i32(xq, xr * K, 4 * (8 * kb0 + c)) if ok else i32(0)
+                    xc[j, c] = ld_i32(xq, xr * K, 4 * (8 * kb0 + c)) if ok else i32(0)
                 for n in range(tid, TT * KB, NTH):
                     j = n // KB
                     kb = n - j * KB
                     xr = xrow[j]
                     ok = xr >= 0 and kb < nkb
                     xd[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb)) if ok else f32(0.0)
-                    xsm[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb) + 4) if ok else f32(0.0)
+                    xsum[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb) + 4) if ok else f32(0.0)
                 cuda.syncthreads()
                 # 2. the warp's mma tiles, block by block (ld_* at a per-lane 64-bit base and
                 # constant offsets: plain indexing cost ~8 64-bit integer ops a shared load)
@@ -195,18 +207,18 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                         mk = da + 4 * TM * kb
                         sk = sa + 4 * TT * kb
                         for j in range(NJ):
-                            bx0[j] = ld_i32(xs, xk, 32 * S * j)
-                            bx1[j] = ld_i32(xs, xk, 32 * S * j + 16)
+                            bx0[j] = ld_i32(xc, xk, 32 * S * j)
+                            bx1[j] = ld_i32(xc, xk, 32 * S * j + 16)
                             sx0[j] = ld_f32(xd, sk, 32 * j)
                             sx1[j] = ld_f32(xd, sk, 32 * j + 4)
                             if has_m:
-                                mx0[j] = ld_f32(xsm, sk, 32 * j)
-                                mx1[j] = ld_f32(xsm, sk, 32 * j + 4)
+                                mx0[j] = ld_f32(xsum, sk, 32 * j)
+                                mx1[j] = ld_f32(xsum, sk, 32 * j + 4)
                         for i in range(MI):
-                            a0 = ld_i32(ws, wk, 64 * S * i)              # row g, k 4t..
-                            a1 = ld_i32(ws, wk, 64 * S * i + 32 * S)     # row g + 8
-                            a2 = ld_i32(ws, wk, 64 * S * i + 16)         # row g, k 16 + 4t..
-                            a3 = ld_i32(ws, wk, 64 * S * i + 32 * S + 16)
+                            a0 = ld_i32(wc, wk, 64 * S * i)              # row g, k 4t..
+                            a1 = ld_i32(wc, wk, 64 * S * i + 32 * S)     # row g + 8
+                            a2 = ld_i32(wc, wk, 64 * S * i + 16)         # row g, k 16 + 4t..
+                            a3 = ld_i32(wc, wk, 64 * S * i + 32 * S + 16)
                             if per16:
                                 dl0 = ld_f32(wd, dk, 64 * i)
                                 dl1 = ld_f32(wd, dk, 64 * i + 32)
@@ -252,7 +264,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                                 if o >= 0:
                                     st_f32(out, o * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
         return mul_mat_mma_kernel, NTH
-    return _cached(("mma", int(qtype), TM, TT, WM, WT, KB, gather), build)
+    return _cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
