@@ -9,7 +9,9 @@ given (the int8 path rounds x to 8 bits: ~1e-2 and below), and with x already on
 grid (both paths then multiply the same values: ~1e-6, anything large is a wrong fragment or
 scale). TFLOP/s = 2 T M K / time, time the median of CUDA-event-timed calls after a warm-up
 (the int8 path's time includes quantizing x). --tiles adds mma tile configurations
-TMxTTxWMxWTxKB (rows x tokens per block, warps along rows x tokens, K step in 32-blocks).
+TMxTTxWMxWTxKB[xMIN_BLOCKS] (rows x tokens per block, warps along rows x tokens, K step in
+32-blocks, blocks an SM must fit by registers), e.g. --types Q4_0,Q4_K --tiles
+64x128x2x4x4,128x128x4x2x2x1,64x64x2x2x4x4 (each adds two compiles a type: a few seconds).
 Exits 1 when a check fails.
 """
 import argparse
@@ -70,11 +72,13 @@ def main():
     a = ap.parse_args()
     t_start = time.time()
     name = getattr(cuda.get_current_device(), "name", "CUDA simulator")
-    print(f"{name.decode() if isinstance(name, bytes) else name}: default mma tile "
-          f"{matmul_mma.TM}x{matmul_mma.TT}x{matmul_mma.WM}x{matmul_mma.WT}x{matmul_mma.KB}"
+    keys = ("TM", "TT", "WM", "WT", "KB", "MIN_BLOCKS")
+    default = tuple(getattr(matmul_mma, k) for k in keys)
+    print(f"{name.decode() if isinstance(name, bytes) else name}: default mma tile {'x'.join(map(str, default))}"
           f" (mul_mat_id: {matmul_mma.TT_ID} slots)", flush=True)
-    default = (matmul_mma.TM, matmul_mma.TT, matmul_mma.WM, matmul_mma.WT, matmul_mma.KB)
-    configs = [default] + [tuple(int(v) for v in c.split("x")) for c in a.tiles.split(",") if c]
+    configs = [default] + [tuple(int(v) for v in c.split("x")) + default[5:][len(c.split("x")) - 5:]
+                           for c in a.tiles.split(",") if c]
+    tt_id = matmul_mma.TT_ID
     rng = np.random.default_rng(0)
     T, M, K = (int(v) for v in a.shape.split(","))
     TE, E, A, F, KE = (int(v) for v in a.moe.split(","))
@@ -102,8 +106,9 @@ def main():
             t_f = _time_ms(lambda i: run(xin), a.n)
             mm.MMA = True
             for cfg in configs:
-                (matmul_mma.TM, matmul_mma.TT, matmul_mma.WM, matmul_mma.WT, matmul_mma.KB) = cfg
-                matmul_mma.TT_ID = cfg[1]
+                for k, v in zip(keys, cfg):
+                    setattr(matmul_mma, k, v)
+                matmul_mma.TT_ID = tt_id if cfg == default else cfg[1]
                 try:
                     run(xin)
                     got = o.copy_to_host()
@@ -118,11 +123,12 @@ def main():
                 e_x, e_g = rel(got, ref), rel(got_g, ref_g)
                 ok = e_x < TOL_X8 and e_g < TOL_GRID and not np.isnan(got).any()
                 failed += not ok
-                print(f"{name_} tile {'x'.join(map(str, cfg)):11s} err {e_x:.1e} (8-bit grid {e_g:.1e})"
+                print(f"{name_} tile {'x'.join(map(str, cfg)):13s} err {e_x:.1e} (8-bit grid {e_g:.1e})"
                       f" {'ok' if ok else 'FAILED'}  float {flops / t_f / 1e9:6.1f} TFLOP/s {t_f:7.3f} ms"
                       f"  mma {flops / t_m / 1e9:6.1f} TFLOP/s {t_m:7.3f} ms  x{t_f / t_m:.1f}", flush=True)
-            (matmul_mma.TM, matmul_mma.TT, matmul_mma.WM, matmul_mma.WT, matmul_mma.KB) = default
-            matmul_mma.TT_ID = default[1]
+            for k, v in zip(keys, default):
+                setattr(matmul_mma, k, v)
+            matmul_mma.TT_ID = tt_id
         dw = dwe = None
     print(f"{'FAILED: ' + str(failed) + ' checks' if failed else 'all checks ok'} ({time.time() - t_start:.0f} s)",
           flush=True)

@@ -41,7 +41,11 @@ def main():
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K,IQ4_XS,MXFP4")
     ap.add_argument("--ptxas", default="ptxas")
     ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
+    ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
     a = ap.parse_args()
+    if a.tile:
+        mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
+        mm.TT_ID = mm.TT
     bad = 0
     for name in a.types.split(","):
         for gather in (False, True):
