@@ -43,7 +43,7 @@ assert not {Q8_0, IQ4_NL, IQ4_XS, MXFP4} & HAS_M
 
 # A block computes TM rows x TT tokens (TT_ID token slots of one expert for mul_mat_id) with
 # WM x WT warps, each a (TM / WM) x (TT / WT) piece of 16 x 8 mma tiles; it steps K by KB
-# blocks of 32 (shared memory: ~(TM + TT) * (32 KB + 16) * 4 bytes, <= 48 KB). The simulator
+# blocks of 32 (shared memory: (TM + TT) * (32 KB + 16) bytes + scales, <= 48 KB). The simulator
 # keeps a few small warps (every thread is a Python thread there).
 TM, TT, TT_ID, WM, WT, KB = (32, 16, 16, 2, 1, 2) if SIM else (128, 64, 64, 4, 2, 4)
 # Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
