@@ -52,6 +52,7 @@ def _simulator_speed():
 def small(monkeypatch):
     """Block and tile sizes small enough for multi-block and partial-tile paths at tiny shapes."""
     monkeypatch.setattr(matmul, "MMV_WARPS", 2)
+    monkeypatch.setattr(matmul, "MMA", False)     # the float tiled kernel (test_cuda_mma.py: the int8 one)
     monkeypatch.setattr(matmul, "TILE_M", 16)
     monkeypatch.setattr(matmul, "TILE_T", 8)
     monkeypatch.setattr(matmul, "TILE_T_ID", 4)

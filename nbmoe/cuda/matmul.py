@@ -12,7 +12,7 @@ an optional stream and never waits for the device. Hot loops load through the ld
 (32-bit offsets, no negative-index fix-ups): Numba's own x[t, i] costs ~10 64-bit integer
 instructions a load, which made the first matrix-vector kernel instruction-bound.
 
-Two kernels, chosen per call by the number of tokens T sharing a weight matrix:
+Kernels, chosen per call by the number of tokens T sharing a weight matrix:
   matrix-vector (T <= MMV_MAX_T: generation)  one warp per weight row; lane l decodes units
       l, l + 32, ... of the row (a warp reads contiguous bytes), dots each with the NT tokens'
       x while in registers, and the warp sums its lanes by shuffles. Weights are read once.
@@ -20,7 +20,9 @@ Two kernels, chosen per call by the number of tokens T sharing a weight matrix:
       a second launch) and a unit costs two dp4a; float types dot in float32.
   tiled (prompts)  a block computes a TILE_M x TILE_T tile of out: per 32-value step it decodes
       TILE_M rows' block into shared memory (one unit per thread) next to TILE_T tokens' x,
-      then each thread accumulates an RM x RT piece from shared memory.
+      then each thread accumulates an RM x RT piece from shared memory. Block types with
+      integer codes (MMA, INT8_DOT) go to matmul_mma.py instead: x in 8 bits, the codes'
+      dot products on int8 tensor cores (mma.sync), scaled per 32-block in float32.
 mul_mat_id: for T <= MMV_MAX_T one matrix-vector block row per (token, slot) pair (its expert
 read on the device); for prompts the pairs are grouped by expert on the device (one block:
 counts, offsets, a table of (expert, first pair, pairs) tiles), then the tiled kernel runs
@@ -42,6 +44,9 @@ MMV_MAX_T = 8
 # Matrix-vector products of the block types with x quantized to 8 bits (integer dot products,
 # ~0.5% error from x's rounding, as llama.cpp and the CPU's INT8_DOT). False: exact float dots.
 INT8_DOT = True
+# Prompts (T > MMV_MAX_T) of the block types with integer codes on int8 tensor cores
+# (matmul_mma.py; needs INT8_DOT too, x in 8 bits as above). False: the float tiled kernel.
+MMA = True
 # Weight rows (= warps) per matrix-vector block.
 MMV_WARPS = 4
 # Tiled kernel: out tile TILE_M rows x TILE_T tokens, RM x RT per thread; mul_mat_id tiles
@@ -182,7 +187,7 @@ def x8_buffers(n_rows, K):
 def quantizes_x(qtype, T, K):
     """Whether a product of T tokens with this weight type quantizes x (then a next product of
     the same x may pass x_ready=True and skip that launch)."""
-    return T <= MMV_MAX_T and _int8(qtype, K)
+    return _int8(qtype, K) and (T <= MMV_MAX_T or MMA)
 
 
 # ---------------------------------------------------------------- matrix-vector, int8 x
@@ -526,6 +531,19 @@ def _int8(qtype, K):
     return INT8_DOT and qtype_info(qtype).idec is not None and K % 32 == 0
 
 
+def _group_by_expert(ids, E, TT, stream):
+    """(order, tiles, max_tiles): the pairs of ids [T, A] grouped by expert in tiles of <= TT
+    (group_by_expert_kernel); max_tiles bounds the table's length (the grid's y size)."""
+    if E > MAX_E:
+        raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
+    N = ids.shape[0] * ids.shape[1]
+    max_tiles = N // TT + min(E, N)       # every used expert adds at most one partial tile
+    order = _buffer("order", N, np.int32)
+    tiles = _buffer("tiles", 1 + 3 * max_tiles, np.int32)
+    _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+    return order, tiles, max_tiles
+
+
 def _rb_k(w, qtype):
     """(row_bytes, K) of weights w [..., row_bytes]."""
     shape = w.shape
@@ -540,6 +558,9 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
+        return
+    if T > MMV_MAX_T and MMA and _int8(qtype, K):
+        _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
         return
     if T > MMV_MAX_T and K % 32 == 0:
         kern, nth = _tiled_kernel(qtype, TILE_M, TILE_T, TILE_RM, TILE_RT, False)
@@ -574,13 +595,11 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):
         else:
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
-    if E > MAX_E:
-        raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
+    if MMA and _int8(qtype, K):
+        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready)
+        return
     TT = TILE_T_ID
-    max_tiles = N // TT + min(E, N)       # every used expert adds at most one partial tile
-    order = _buffer("order", N, np.int32)
-    tiles = _buffer("tiles", 1 + 3 * max_tiles, np.int32)
-    _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+    order, tiles, max_tiles = _group_by_expert(ids, E, TT, stream)
     kern, nth = _tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
     kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X)
 
@@ -702,6 +721,8 @@ def main(argv=None):
                       f" experts {2 * T * A * M * K / t / 1e9:6.1f} TFLOP/s")
             dw = None
 
+
+from . import matmul_mma as _mma  # noqa: E402  (prompt products on tensor cores; imports this module)
 
 if __name__ == "__main__":
     main()

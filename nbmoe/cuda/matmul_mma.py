@@ -1,0 +1,290 @@
+"""Prompt products on int8 tensor cores: mul_mat and mul_mat_id for T > MMV_MAX_T tokens, for the
+block types with an integer-code decoder (quants.py idec: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K,
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4), as llama.cpp's MMQ. matmul.py dispatches here when
+matmul.MMA is on (and INT8_DOT: both are the int8 path), the type has an idec and K % 32 == 0.
+
+Letters as in matmul.py: T tokens, M rows, K values per row, B = K / 32 blocks, E experts, A
+chosen per token, X x rows per token, N = T * A pairs. The unit: 8 values of a block.
+
+x is quantized once to 8 bits per 32-block (matmul._quantize_x: xq int32 words of 4 codes,
+xds (xd, xs = xd * sum of codes) per block), the weights' units decoded by idec to int8 codes
+with value = d * code + m (Q4_0, Q5_0: codes q - 8, q - 16 and m = 0). Per 32-block b (or 16-value half h where the scale changes every
+16 values: Q3_K, Q6_K, which have m = 0):
+
+    out[t, r] = sum_b  d[r, b] * xd[t, b] * (codes[r, b] . xcodes[t, b])  +  m[r, b] * xs[t, b]
+    (Q3_K, Q6_K:  sum_b  xd[t, b] * sum_h d[r, b, h] * (codes[r, b, h] . xcodes[t, b, h]))
+
+The integer dot products of a 16-row x 8-token x 32-value piece are one mma.sync (mma.py);
+the float scaling follows per block, so an int32 never sums more than 32 products.
+"""
+import numpy as np
+from numba import cuda
+
+from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32
+from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, unit_words
+from .mma import mma_s8_16x8x16, mma_s8_16x8x32
+from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
+from .quants_iq4 import IQ4_NL, IQ4_XS, MXFP4
+from .quants_k import Q3_K, Q4_K, Q5_K, Q6_K
+
+f32 = np.float32
+i32 = np.int32
+u32 = np.uint32
+
+# Types whose d changes every 16 values (two k16 products a block; their m is 0); types with
+# an offset m of their own (the others have m = 0: no offset term); types whose m is a fixed
+# multiple of d, m = -o d, moved into the codes instead (q - o as int8: (q + 128 - o) ^ 0x80
+# a byte; no offset term either).
+PER16 = {Q3_K, Q6_K}
+HAS_M = {Q4_1, Q5_1, Q4_K, Q5_K}
+TO_SIGNED = {Q4_0: 0x78787878, Q5_0: 0x70707070}          # + 128 - 8, + 128 - 16 a byte
+assert not PER16 & HAS_M and not (PER16 | HAS_M) & set(TO_SIGNED)
+assert not {Q8_0, IQ4_NL, IQ4_XS, MXFP4} & HAS_M
+
+# A block computes TM rows x TT tokens (TT_ID token slots of one expert for mul_mat_id) with
+# WM x WT warps, each a (TM / WM) x (TT / WT) piece of 16 x 8 mma tiles; it steps K by KB
+# blocks of 32 (shared memory: (TM + TT) * (32 KB + 16) bytes + scales, <= 48 KB). The simulator
+# keeps a few small warps (every thread is a Python thread there).
+TM, TT, TT_ID, WM, WT, KB = (32, 16, 16, 2, 1, 2) if SIM else (128, 64, 64, 4, 2, 4)
+# Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
+# * threads), 128 at 256 threads; unbounded, some types took ~155 and ran one block an SM).
+MIN_BLOCKS = 2
+
+I2F_MAGIC = 0x4B400000           # float32 1.5 * 2^23: an int below 2^22 added to its mantissa
+F_MAGIC = f32(12582912.0)
+
+
+@device_fn
+def i2f(c):
+    """int32 c (|c| < 2^22; an mma over 32 int8 products is < 2^19) to float32 by an integer
+    and a float add: I2F runs at a quarter of the FMA rate (16 a clock per SM on sm_80/90)."""
+    return as_f32(u32(c + I2F_MAGIC)) - F_MAGIC
+
+
+# ---------------------------------------------------------------- the kernel
+# out[orow[j], r0 + i] = sum_k w[rbase + r0 + i, k] * x[xrow[j], k] over the tile's i < TM rows
+# and j < TT token slots, with slots as in matmul._tiled_kernel (plain: token by * TT + j;
+# gathered: pair order[first + j] = t * A + a of tile by of the expert table, x row
+# t * X + (a or 0), out row p of out [T, A, M] seen as [T * A, M]).
+#
+# Block: NTH = 32 * WM * WT threads. Per K step of KB blocks (kb0 = step * KB):
+#  1. all threads fill shared memory, a unit (8 codes = 2 words) or an x word each
+#                    k-step words 0 .. 8 KB - 1 (+ 4 pad)           scales
+#       wc [TM, S]   row i: codes of w row r0 + i, in k order       wd [KB or 2 KB, TM]  d
+#                    (block kb = words 8 kb .. 8 kb + 7)            wm [KB, TM]          m
+#       xc [TT, S]   slot j: x codes of x row xrow[j]               xd, xsum [KB, TT]    xd, xs
+#     Row stride S = 8 KB + 4 words (= 4 mod 8): the fragment loads of a warp (rows g = 0..7,
+#     words t = 0..3) hit banks (S g + t + const) mod 32: all different, no bank conflicts.
+#  2. warp (wm, wt) = (warp % WM, warp // WM) owns rows wm * TM / WM + 16 i (i < MI) and slots
+#     wt * TT / WT + 8 j (j < NJ): per block kb it loads the A fragments of its MI row tiles
+#     and the B fragments of its NJ slot tiles (words 8 kb + t, 8 kb + 4 + t: mma.py's table),
+#     runs MI * NJ mma and adds each int32 result, scaled, into its float32 accumulators:
+#         acc[i, j, e] += d[row] * xd[slot] * D_e  (+ m[row] * xs[slot])
+#     Lane (g, t) holds rows g, g + 8 and slots 2t, 2t + 1 of each tile (e = 0..3).
+#  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
+# Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
+
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
+    t_ = qtype_info(qtype)
+    idec, split = t_.idec, t_.split
+    per16, has_m = int(qtype) in PER16, int(qtype) in HAS_M
+    signed = int(qtype) in TO_SIGNED
+    shift = u32(TO_SIGNED.get(int(qtype), 0))
+    assert not (per16 and split)           # per-16 scales need linear units (half = u // 2)
+    NTH = 32 * WM * WT
+    WR, WC = TM // WM, TT // WT            # a warp's rows and slots
+    MI, NJ = WR // 16, WC // 8             # its mma tiles
+    assert MI * 16 * WM == TM and NJ * 8 * WT == TT
+    KW = 8 * KB                            # words of a row in a K step
+    S = KW + 4
+    NS = 2 * KB if per16 else KB
+    ACC = 4 * MI * NJ
+    UNITS = TM * KB * 4                    # units decoded per K step
+
+    def build():
+        @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X):
+            wc = cuda.shared.array((TM, S), i32)
+            xc = cuda.shared.array((TT, S), i32)
+            wd = cuda.shared.array((NS, TM), f32)
+            wm = cuda.shared.array((KB, TM), f32)
+            xd = cuda.shared.array((KB, TT), f32)
+            xsum = cuda.shared.array((KB, TT), f32)
+            xrow = cuda.shared.array(TT, i32)
+            orow = cuda.shared.array(TT, i32)
+            tid = cuda.threadIdx.x
+            r0 = cuda.blockIdx.x * TM
+            rbase = 0
+            if gather:
+                if cuda.blockIdx.y >= tiles[0]:
+                    return                           # the whole block: beyond the tile table
+                k3 = 3 * cuda.blockIdx.y + 1
+                rbase = tiles[k3] * M
+                first = tiles[k3 + 1]
+                nslots = tiles[k3 + 2]
+                for j in range(tid, TT, NTH):
+                    if j < nslots:
+                        p = order[first + j]
+                        t = p // A
+                        xrow[j] = t * X + (p - t * A if X == A else 0)
+                        orow[j] = p
+                    else:
+                        xrow[j] = -1
+                        orow[j] = -1
+            else:
+                nslots = min(TT, T - cuda.blockIdx.y * TT)
+                for j in range(tid, TT, NTH):
+                    t = cuda.blockIdx.y * TT + j
+                    xrow[j] = t if t < T else -1
+                    orow[j] = xrow[j]
+            lane = tid & 31
+            warp = tid >> 5
+            g = lane >> 2
+            t4 = lane & 3
+            rw = (warp % WM) * WR                    # the warp's first row and slot in the tile
+            cw = (warp // WM) * WC
+            wa = 4 * ((rw + g) * S + t4)             # byte offsets: wc row rw + g, word t4
+            xa = 4 * ((cw + g) * S + t4)             # xc slot cw + g, word t4
+            da = 4 * (rw + g)                        # wd, wm column rw + g
+            sa = 4 * (cw + 2 * t4)                   # xd, xsum column cw + 2 t4
+            acc = cuda.local.array(ACC, f32)
+            bx0 = cuda.local.array(NJ, i32)          # B fragments of the warp's slot tiles
+            bx1 = cuda.local.array(NJ, i32)
+            sx0 = cuda.local.array(NJ, f32)          # xd of the lane's two slots of each tile
+            sx1 = cuda.local.array(NJ, f32)
+            mx0 = cuda.local.array(NJ, f32)          # xc of them (types with m)
+            mx1 = cuda.local.array(NJ, f32)
+            for i in range(ACC):
+                acc[i] = f32(0.0)
+            nb = K >> 5
+            KQ = K >> 2                              # bytes of an x row in xds (2 floats a block)
+            cuda.syncthreads()
+            for kb0 in range(0, nb, KB):
+                nkb = min(KB, nb - kb0)
+                # 1. weight units -> codes and scales; x words and scales
+                for n in range(tid, UNITS, NTH):
+                    rr = n // (4 * KB)
+                    q = n - rr * (4 * KB)
+                    kb = q >> 2
+                    u = q & 3
+                    if kb < nkb:
+                        base = (rbase + min(r0 + rr, M - 1)) * RB
+                        c0, c1, d, m4 = idec(w, base, kb0 + kb, u)
+                        if signed:
+                            c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
+                            c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
+                        w0, w1 = unit_words(kb, u, split)
+                        wc[rr, w0] = c0
+                        wc[rr, w1] = c1
+                        if per16:
+                            if (u & 1) == 0:
+                                wd[2 * kb + (u >> 1), rr] = d
+                        elif u == 0:
+                            wd[kb, rr] = d
+                            if has_m:
+                                wm[kb, rr] = f32(4.0) * m4     # idec gives m / 4 a unit
+                for n in range(tid, TT * KW, NTH):
+                    j = n // KW
+                    c = n - j * KW
+                    xr = xrow[j]
+                    ok = xr >= 0 and (c >> 3) < nkb
+                    xc[j, c] = ld_i32(xq, xr * K, 4 * (8 * kb0 + c)) if ok else i32(0)
+                for n in range(tid, TT * KB, NTH):
+                    j = n // KB
+                    kb = n - j * KB
+                    xr = xrow[j]
+                    ok = xr >= 0 and kb < nkb
+                    xd[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb)) if ok else f32(0.0)
+                    xsum[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb) + 4) if ok else f32(0.0)
+                cuda.syncthreads()
+                # 2. the warp's mma tiles, block by block (ld_* at a per-lane 64-bit base and
+                # constant offsets: plain indexing cost ~8 64-bit integer ops a shared load)
+                if cw < nslots:
+                    for kb in range(nkb):
+                        wk = wa + 32 * kb
+                        xk = xa + 32 * kb
+                        dk = da + (8 if per16 else 4) * TM * kb
+                        mk = da + 4 * TM * kb
+                        sk = sa + 4 * TT * kb
+                        for j in range(NJ):
+                            bx0[j] = ld_i32(xc, xk, 32 * S * j)
+                            bx1[j] = ld_i32(xc, xk, 32 * S * j + 16)
+                            sx0[j] = ld_f32(xd, sk, 32 * j)
+                            sx1[j] = ld_f32(xd, sk, 32 * j + 4)
+                            if has_m:
+                                mx0[j] = ld_f32(xsum, sk, 32 * j)
+                                mx1[j] = ld_f32(xsum, sk, 32 * j + 4)
+                        for i in range(MI):
+                            a0 = ld_i32(wc, wk, 64 * S * i)              # row g, k 4t..
+                            a1 = ld_i32(wc, wk, 64 * S * i + 32 * S)     # row g + 8
+                            a2 = ld_i32(wc, wk, 64 * S * i + 16)         # row g, k 16 + 4t..
+                            a3 = ld_i32(wc, wk, 64 * S * i + 32 * S + 16)
+                            if per16:
+                                dl0 = ld_f32(wd, dk, 64 * i)
+                                dl1 = ld_f32(wd, dk, 64 * i + 32)
+                                dh0 = ld_f32(wd, dk, 64 * i + 4 * TM)
+                                dh1 = ld_f32(wd, dk, 64 * i + 4 * TM + 32)
+                                for j in range(NJ):
+                                    o = 4 * (i * NJ + j)
+                                    p0, p1, p2, p3 = mma_s8_16x8x16(a0, a1, bx0[j], 0, 0, 0, 0)
+                                    h0, h1, h2, h3 = mma_s8_16x8x16(a2, a3, bx1[j], 0, 0, 0, 0)
+                                    acc[o] += sx0[j] * (dl0 * i2f(p0) + dh0 * i2f(h0))
+                                    acc[o + 1] += sx1[j] * (dl0 * i2f(p1) + dh0 * i2f(h1))
+                                    acc[o + 2] += sx0[j] * (dl1 * i2f(p2) + dh1 * i2f(h2))
+                                    acc[o + 3] += sx1[j] * (dl1 * i2f(p3) + dh1 * i2f(h3))
+                            else:
+                                d0 = ld_f32(wd, dk, 64 * i)
+                                d1 = ld_f32(wd, dk, 64 * i + 32)
+                                m0 = m1 = f32(0.0)
+                                if has_m:
+                                    m0 = ld_f32(wm, mk, 64 * i)
+                                    m1 = ld_f32(wm, mk, 64 * i + 32)
+                                for j in range(NJ):
+                                    o = 4 * (i * NJ + j)
+                                    p0, p1, p2, p3 = mma_s8_16x8x32(a0, a1, a2, a3, bx0[j], bx1[j], 0, 0, 0, 0)
+                                    acc[o] += (d0 * sx0[j]) * i2f(p0)
+                                    acc[o + 1] += (d0 * sx1[j]) * i2f(p1)
+                                    acc[o + 2] += (d1 * sx0[j]) * i2f(p2)
+                                    acc[o + 3] += (d1 * sx1[j]) * i2f(p3)
+                                    if has_m:
+                                        acc[o] += m0 * mx0[j]
+                                        acc[o + 1] += m0 * mx1[j]
+                                        acc[o + 2] += m1 * mx0[j]
+                                        acc[o + 3] += m1 * mx1[j]
+                cuda.syncthreads()
+            # 3. store: lane (g, t4) has rows g, g + 8 and slots 2 t4, 2 t4 + 1 of each tile; out
+            # [T, M] or [T, A, M] (C-contiguous) is rows of M: row orow[slot] (t, or p = t * A + a)
+            for i in range(MI):
+                for h in range(2):
+                    r = r0 + rw + 16 * i + g + 8 * h
+                    if r < M:
+                        for j in range(NJ):
+                            for e in range(2):
+                                o = orow[cw + 8 * j + 2 * t4 + e]
+                                if o >= 0:
+                                    st_f32(out, o * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
+        return mul_mat_mma_kernel, NTH
+    return _cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather), build)
+
+
+# ---------------------------------------------------------------- launchers (matmul.py calls)
+
+def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
+    """out [T, M] = x [T, K] @ dequant(w [M, RB])^T, x quantized to 8 bits (or x_ready)."""
+    T, M = out.shape
+    xq, xds = _quantize_x(x, T, K, stream, x_ready)
+    kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
+    d = _buffer("dummy", 4, np.int32)
+    kern[((M + TM - 1) // TM, (T + TT - 1) // TT), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1)
+
+
+def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False):
+    """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0], the pairs
+    grouped by expert in tiles of TT_ID slots (matmul._group_by_expert)."""
+    E, M = w.shape[0], w.shape[1]
+    T, X = x.shape[0], x.shape[1]
+    A = ids.shape[1]
+    xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
+    order, tiles, n_tiles = _group_by_expert(ids, E, TT_ID, stream)
+    kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
+    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X)

@@ -1,0 +1,140 @@
+"""The int8 tensor-core path (nbmoe/cuda/mma.py, matmul_mma.py) vs NumPy, under Numba's CUDA
+simulator (NBMOE_REAL_GPU=1 runs it on the GPU, as test_cuda_kernels.py).
+
+The primitive: random int8 matrices spread over the 32 lanes' registers by the PTX ISA's
+fragment table (written out here a second time, from the ISA text), each lane's outputs vs
+NumPy's integer product. The products: prompts (T > MMV_MAX_T) of a few block types of each
+layout family (nibbles with an offset, Q8_0, a K-quant with a scale per 16 values, the
+16-level table in super-blocks, MXFP4's byte-aligned blocks) vs float64 NumPy over gguf-py's
+dequantized weights: tight against x rounded to 8 bits as the kernel rounds it, within
+RTOL_X8 of the exact product. Tiles small enough for partial row, token and K steps.
+Run with -s for the table of max relative errors.
+"""
+import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads; skips without it)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from gguf import GGML_QUANT_SIZES  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from numba import cuda  # noqa: E402
+from test_cuda_kernels import _simulator_speed  # noqa: E402,F401  (fixture)
+from test_cuda_kernels import _mul_mat_id_ref, check_x8, dev, poisoned, quantize, rnd  # noqa: E402
+from test_cuda_kquants import weights  # noqa: E402
+
+from nbmoe.cuda import matmul, matmul_mma, quants  # noqa: E402
+from nbmoe.cuda.mma import mma_s8_16x8x16, mma_s8_16x8x32  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+NAMES = ["Q4_0", "Q8_0", "Q6_K", "IQ4_XS", "MXFP4"]
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """2 warps of 16 x 16 (rows x tokens) in a 32 x 16 tile (8-slot tiles of an expert), a K
+    step of 2 blocks; the matrix-vector kernel up to T = 2 tokens."""
+    monkeypatch.setattr(matmul, "MMA", True)
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    for k, v in dict(TM=32, TT=16, TT_ID=8, WM=2, WT=1, KB=2).items():
+        monkeypatch.setattr(matmul_mma, k, v)
+
+
+# ---------------------------------------------------------------- the primitive
+
+def _pack(v):
+    """4 int8 values -> one int32 register (value 0 in the low byte)."""
+    return np.asarray(v, np.int8).view(np.int32)[0]
+
+
+@cuda.jit
+def _mma_kernel(out, regs, k16):
+    lane = cuda.threadIdx.x
+    r = regs[lane]
+    if k16:
+        d = mma_s8_16x8x16(r[0], r[1], r[4], r[6], r[7], r[8], r[9])
+    else:
+        d = mma_s8_16x8x32(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9])
+    for i in range(4):
+        out[lane, i] = d[i]
+
+
+@pytest.mark.parametrize("K", [32, 16])
+def test_mma_primitive(K):
+    """D = A @ B + C for int8 A [16, K], B [K, 8] at the extremes (-128, 127) and random."""
+    rng = np.random.default_rng(K)
+    A = rng.integers(-128, 128, (16, K))
+    B = rng.integers(-128, 128, (K, 8))
+    A[0, :] = -128
+    B[:, 0] = -128                               # the largest product, 32 * 2^14 (+ C)
+    C = rng.integers(-2 ** 20, 2 ** 20, (16, 8))
+    regs = np.zeros((32, 10), np.int32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        k0, k1 = slice(4 * t, 4 * t + 4), slice(16 + 4 * t, 20 + 4 * t)
+        regs[lane, 0], regs[lane, 1] = _pack(A[g, k0]), _pack(A[g + 8, k0])        # a0, a1: k 0..15
+        regs[lane, 4] = _pack(B[k0, g])                                              # b0
+        if K == 32:
+            regs[lane, 2], regs[lane, 3] = _pack(A[g, k1]), _pack(A[g + 8, k1])    # a2, a3: k 16..31
+            regs[lane, 5] = _pack(B[k1, g])                                          # b1
+        regs[lane, 6:] = C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]
+    out = poisoned((32, 4), np.int32)
+    _mma_kernel[1, 32](out, dev(regs), K == 16)
+    D = A @ B + C
+    got = out.copy_to_host()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        assert list(got[lane]) == [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]], lane
+
+
+# ---------------------------------------------------------------- products
+
+def _weights(shape, name, seed, K):
+    """(uint8 blocks, float64 values): gguf-py's quantizer where it has one, else random blocks."""
+    if name in ("Q4_0", "Q8_0", "Q4_1", "Q5_0", "Q5_1"):
+        return quantize(rnd(*shape, K, seed=seed), name)
+    return weights(shape, name, seed, K)
+
+
+def _k(name):
+    return 256 if GGML_QUANT_SIZES[Q[name]][0] == 256 else 96   # 96: 3 blocks, a partial K step
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mul_mat_mma(name, tiles):
+    """M = 37 rows (two row tiles, the second partial), T = 19 tokens (two token tiles)."""
+    M, T, K = 37, 19, _k(name)
+    assert quants.qtype_info(int(Q[name])).idec is not None
+    w, wref = _weights((M,), name, seed=1, K=K)
+    x = rnd(T, K, seed=2)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check_x8(f"mma mul_mat {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
+
+
+@pytest.mark.parametrize("name,X", [("Q4_0", 1), ("Q6_K", 2), ("MXFP4", 1)])
+def test_mul_mat_id_mma(name, X, tiles):
+    """E = 4, A = 2, T = 11 tokens: expert 1 gets 9 pairs (a full and a partial 8-slot tile),
+    expert 3 none; M = 20 rows (a partial row tile)."""
+    E, M, A, T, K = 4, 20, 2, 11, _k(name)
+    w, wref = _weights((E, M), name, seed=3, K=K)
+    ids = np.array([[1, 0], [2, 1], [1, 0], [0, 1], [1, 2], [2, 1], [1, 0], [0, 2], [1, 2], [2, 1], [0, 2]],
+                   np.int32)
+    x = rnd(T, X, K, seed=4)
+    out = poisoned((T, A, M))
+    matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
+    check_x8(f"mma mul_mat_id {name} X={X}", out.copy_to_host(), x,
+             lambda x_: _mul_mat_id_ref(wref, x_, ids), True)
+
+
+def test_x_ready_mma(tiles):
+    """Two prompt products of one x: the second reuses the first's 8-bit x (x_ready)."""
+    M, T, K = 16, 9, 64
+    assert matmul.quantizes_x(int(Q["Q4_0"]), T, K)
+    w1, _ = quantize(rnd(M, K, seed=5), "Q4_0")
+    w2, _ = quantize(rnd(M, K, seed=6), "Q8_0")
+    x = dev(rnd(T, K, seed=7))
+    want, got = poisoned((T, M)), poisoned((T, M))
+    matmul.mul_mat(want, dev(w2), x, int(Q["Q8_0"]))
+    matmul.mul_mat(poisoned((T, M)), dev(w1), x, int(Q["Q4_0"]))
+    matmul.mul_mat(got, dev(w2), x, int(Q["Q8_0"]), x_ready=True)
+    assert np.array_equal(got.copy_to_host(), want.copy_to_host())

@@ -1,0 +1,77 @@
+"""Compile the int8 tensor-core kernels (nbmoe/cuda/matmul_mma.py) to PTX for sm_90 on a machine
+without a GPU, and assemble them with ptxas: catches inline-asm errors, and prints registers,
+spills and shared memory per kernel.
+
+Needs libnvvm, nvrtc and ptxas, e.g. from the pip wheels (a development aid only, not a
+dependency of nbmoe):
+    pip install --target /tmp/nvtools nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12
+    LD_LIBRARY_PATH=/tmp/nvtools/nvidia/cuda_nvrtc/lib:/tmp/nvtools/nvidia/cuda_nvcc/nvvm/lib64 \
+    PYTHONPATH=$PWD:/tmp/nvtools python tools/cuda_ptx_check.py --ptxas /tmp/nvtools/nvidia/cuda_nvcc/bin/ptxas
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import nbmoe.cuda  # noqa: F401  (numpy shim before numba.cuda)
+from numba import cuda, types
+from numba.cuda import dispatcher
+
+
+class _Device:
+    compute_capability = (9, 0)
+
+
+# Device functions compile for the current device's CC, which needs a driver: pretend sm_90.
+dispatcher.get_current_device = lambda: _Device()
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from nbmoe.cuda import matmul_mma as mm  # noqa: E402
+
+SIG = (types.float32[:, ::1], types.uint8[:, ::1], types.int32[::1], types.float32[::1], types.int64,
+       types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64)
+SIG_ID = (types.float32[:, :, ::1],) + SIG[1:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K,IQ4_XS,MXFP4")
+    ap.add_argument("--ptxas", default="ptxas")
+    ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
+    ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
+    a = ap.parse_args()
+    if a.tile:
+        mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
+        mm.TT_ID = mm.TT
+    bad = 0
+    for name in a.types.split(","):
+        for gather in (False, True):
+            kern, nth = mm._mma_kernel(int(Q[name]), mm.TM, mm.TT_ID if gather else mm.TT, mm.WM, mm.WT, mm.KB,
+                                       gather)
+            w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
+            sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
+            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
+            # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
+            ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
+            d = a.keep or tempfile.mkdtemp()
+            path = os.path.join(d, f"mma_{name}_{'id' if gather else 'plain'}.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([a.ptxas, "-arch=sm_90", "-v", path, "-o", path + ".cubin"],
+                               capture_output=True, text=True)
+            out = r.stderr + r.stdout
+            info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
+            n_mma = ptx.count("mma.sync")
+            print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {n_mma} mma in PTX: "
+                  f"{'OK' if r.returncode == 0 else 'FAILED'} {info}", flush=True)
+            if r.returncode:
+                print(r.stderr[-2000:])
+                bad += 1
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
