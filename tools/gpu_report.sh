@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
-#   bash tools/gpu_report.sh [tests] [hybrid-tests] [model] [tg-ab] [bench-gpu] [bench-hybrid]
-#                            [kernels] [tiles] [profile]
+#   bash tools/gpu_report.sh [tests] [hybrid-tests] [mma] [model] [tg-ab] [pp] [ncu] [bench-gpu]
+#                            [bench-hybrid] [kernels] [tiles] [profile]
 # Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
 # (default /tmp/q3moe-30b.gguf, made when missing). Each step has its own time limit.
 set -u
@@ -29,6 +29,15 @@ for s in $steps; do case $s in
              -n 128 -r 2 --timings
          NBMOE_NO_FUSE=1 step tg-hybrid-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 \
              -ot exps=CPU -t 16 -p 0 -n 128 -r 2 ;;
+  mma) step mma-check 240 python tools/cuda_mma_check.py
+       NBMOE_REAL_GPU=1 step mma-tests 200 python -m pytest -q -x tests/test_cuda_mma.py ;;
+  pp) step pp-gpu 300 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 0 -ub 512,2048 -r 2
+      step pp-hybrid 300 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -p 2048 -n 0 \
+          -ub 2048 -r 2 --timings ;;
+  ncu) command -v ncu >/dev/null || { echo "no ncu"; continue; }
+       step ncu 300 ncu --metrics gpu__time_duration.sum --csv --launch-skip 3000 --launch-count 1300 \
+           python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 16 -r 1 --no-bandwidth
+       python tools/ncu_summary.py "$OUT/ncu.log" --per 2 | tee "$OUT/ncu-summary.log" ;;
   model) [ -f "$MODEL" ] || step model 300 python tools/make_model.py --preset qwen3-30b-a3b \
              --type exps=Q4_0 --type default=Q8_0 -o "$MODEL" ;;
   bench-gpu) step bench-gpu 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 128 \
