@@ -148,6 +148,21 @@ def test_mul_mat_vec(name, T, int8, small, monkeypatch):
     check_x8(f"mul_mat vec {name} T={T}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, int8)
 
 
+@pytest.mark.parametrize("name,int8", [("Q8_0", True), ("Q4_1", True), ("F32", False)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_mul_mat_vec_split_k(name, int8, T, small, monkeypatch):
+    """Split-K (S warps a row, partial sums added in a block): patched on for short rows."""
+    monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    monkeypatch.setattr(matmul, "SPLIT_K_MIN_K", 32)
+    M, K = 13, 128
+    assert matmul._split_k(M, K) == min(matmul.SPLIT_K_MAX, matmul.MMV_WARPS) > 1
+    w, wref = quantize(rnd(M, K, seed=12), name)
+    x = rnd(T, K, seed=13)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check_x8(f"mul_mat vec split-K {name} T={T}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, int8)
+
+
 def test_quantize_x_nan(small):
     """A NaN in x makes its block's scale NaN: the outputs it touches are NaN, as on the CPU."""
     M, K = 5, 64
@@ -239,7 +254,7 @@ def test_mul_mat_id_grouped(name, X, small, monkeypatch):
 
 # ---------------------------------------------------------------- rms_norm, add, scale
 
-@pytest.mark.parametrize("T,D", [(1, 67), (3, 300)])
+@pytest.mark.parametrize("T,D", [(1, 67), (3, 300), (2, 1028)])
 def test_rms_norm(T, D, small):
     x, w = rnd(T, D, seed=T, scale=3.0), rnd(D, seed=99)
     out = poisoned((T, D))

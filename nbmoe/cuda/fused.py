@@ -155,7 +155,9 @@ def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
 
 # ---------------------------------------------------------------- down_combine_q8
 # out[t, r] = sum_a wts[t, a] * (W[ids[t, a]][r] . x[t * A + a]), the sum in order a = 0..A-1
-# of warp-summed dots (as mul_mat_id then moe_combine). Grid (ceil(M / warps), T).
+# of warp-summed dots (as mul_mat_id then moe_combine). Grid (M, T), block (32, A): warp a
+# dots expert a's row (all A rows in flight at once: a warp walking the A experts in turn
+# was latency-bound), the block's first thread adds the A results from shared memory.
 
 def _down_combine_kernel(qtype):
     row_dot = _row_dot(qtype)
@@ -163,27 +165,34 @@ def _down_combine_kernel(qtype):
     def build():
         @cuda.jit
         def down_combine_q8_kernel(out, w, xq, xds, ids, wts, RB, K):
+            ys = cuda.shared.array(32, f32)
             M = out.shape[1]
             A = ids.shape[1]
             lane = cuda.threadIdx.x
-            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            a = cuda.threadIdx.y
+            r = cuda.blockIdx.x
             t = cuda.blockIdx.y
-            rr = min(r, M - 1)
-            acc = f32(0.0)
-            for a in range(A):
-                y = warp_sum(row_dot(w, (ids[t, a] * M + rr) * RB, xq, xds, t * A + a, K, lane))
-                acc = wts[t, a] * y if a == 0 else acc + wts[t, a] * y
-            if lane == 0 and r < M:
+            y = warp_sum(row_dot(w, (ids[t, a] * M + r) * RB, xq, xds, t * A + a, K, lane))
+            if lane == 0:
+                ys[a] = y
+            cuda.syncthreads()
+            if lane == 0 and a == 0:
+                acc = wts[t, 0] * ys[0]
+                for q in range(1, A):
+                    acc += wts[t, q] * ys[q]
                 out[t, r] = acc
         return down_combine_q8_kernel
     return _cached(("down_combine_q8", int(qtype)), build)
 
 
 def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0):
-    """out [T, M] = sum_a wts[t, a] * dequant(w[ids[t, a]]) @ x[t, a] (x [T, A, K] in 8 bits)."""
+    """out [T, M] = sum_a wts[t, a] * dequant(w[ids[t, a]]) @ x[t, a] (x [T, A, K] in 8 bits);
+    A <= 32."""
     T, M = out.shape
-    _down_combine_kernel(qtype)[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
-        out, w, xq, xds, ids, wts, w.shape[2], K)
+    A = ids.shape[1]
+    if A > 32:
+        raise ValueError("down_combine_q8: more than 32 chosen experts")
+    _down_combine_kernel(qtype)[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
 
 
 # ---------------------------------------------------------------- norm_rope_store

@@ -47,8 +47,12 @@ INT8_DOT = True
 # Prompts (T > MMV_MAX_T) of the block types with integer codes on int8 tensor cores
 # (matmul_mma.py; needs INT8_DOT too, x in 8 bits as above). False: the float tiled kernel.
 MMA = True
-# Weight rows (= warps) per matrix-vector block.
+# Warps per matrix-vector block: a warp per weight row, or with split-K (below) S warps
+# a row, each taking every S-th 32 units of it.
 MMV_WARPS = 4
+# Split-K: rows of at least SPLIT_K_MIN_K values get S = 2, 4 (SPLIT_K_MAX) warps while
+# M * S < SPLIT_K_ROWS, so that small products still fill the GPU's ~8000 warp slots.
+SPLIT_K_MIN_K, SPLIT_K_MAX, SPLIT_K_ROWS = 1024, 4, 8192
 # Tiled kernel: out tile TILE_M rows x TILE_T tokens, RM x RT per thread; mul_mat_id tiles
 # hold TILE_T_ID tokens (experts get N / E tokens each on average). Measured on the H200
 # (tools/cuda_tile_sweep.py, Q4_0 / Q8_0, T=512 4096x2048 and 2048 tokens x 8 of 128 experts
@@ -93,22 +97,25 @@ def dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail):
 # Rows past M and tokens past T compute on clamped indices and are not written, so every lane
 # reaches the shuffles.
 
-def _mmv_kernel(qtype, NT):
+def _mmv_kernel(qtype, NT, S=1):
     t_ = qtype_info(qtype)
     dec, split, tail = t_.dec, t_.split, t_.block == 1
+    write_rows = _write_rows_fn(S, NT)
 
     def build():
         @cuda.jit
         def mul_mat_vec_kernel(out, w, x, RB, K):
             M, T = out.shape[1], out.shape[0]
             lane = cuda.threadIdx.x
-            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            wy = cuda.threadIdx.y
+            r = cuda.blockIdx.x * (cuda.blockDim.y // S) + wy // S
+            sl = wy % S
             base = min(r, M - 1) * RB
             t0 = cuda.blockIdx.y * NT
             acc = cuda.local.array(NT, f32)
             for j in range(NT):
                 acc[j] = f32(0.0)
-            for n in range(lane, (K + 7) // 8, 32):
+            for n in range(lane + 32 * sl, (K + 7) // 8, 32 * S):
                 b = n >> 2
                 u = n & 3
                 v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, b, u, K)
@@ -116,12 +123,47 @@ def _mmv_kernel(qtype, NT):
                 for j in range(NT):
                     xb = min(t0 + j, T - 1) * K * 4
                     acc[j] += dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail)
+            write_rows(out, acc, r, t0, T, M, lane, wy, sl)
+        return mul_mat_vec_kernel
+    return _cached(("mmv", int(qtype), NT, S, MMV_WARPS), build)
+
+
+def _split_k(M, K):
+    """Warps per weight row (split-K, SPLIT_K_MAX at most): few long rows leave most of the
+    GPU idle with a warp a row (the router's 128 rows, a 2048-row output projection)."""
+    if K < SPLIT_K_MIN_K:
+        return 1
+    s = 1
+    while s < min(SPLIT_K_MAX, MMV_WARPS) and M * s < SPLIT_K_ROWS:
+        s *= 2
+    return s
+
+
+def _write_rows_fn(S, NT):
+    """The end of a matrix-vector kernel: warp sums of acc [NT], and with split-K (S warps a
+    row) the S partial sums added in slice order by the row's first warp."""
+    @device_fn
+    def write_rows(out, acc, r, t0, T, M, lane, wy, sl):
+        if S == 1:
             for j in range(NT):
                 tot = warp_sum(acc[j])
                 if lane == 0 and r < M and t0 + j < T:
                     out[t0 + j, r] = tot
-        return mul_mat_vec_kernel
-    return _cached(("mmv", int(qtype), NT), build)
+            return
+        part = cuda.shared.array((MMV_WARPS, NT), f32)
+        for j in range(NT):
+            tot = warp_sum(acc[j])
+            if lane == 0:
+                part[wy, j] = tot
+        cuda.syncthreads()
+        if sl == 0 and lane == 0 and r < M:
+            for j in range(NT):
+                if t0 + j < T:
+                    tot = part[wy, j]
+                    for q in range(1, S):
+                        tot += part[wy + q, j]
+                    out[t0 + j, r] = tot
+    return write_rows
 
 
 # ---------------------------------------------------------------- x to 8 bits
@@ -213,33 +255,33 @@ def unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split):
     return ld_f32(xds, db, 8 * b) * (d * f32(isum)) + m4 * ld_f32(xds, db, 8 * b + 4)
 
 
-def _mmv_q8_kernel(qtype, NT):
+def _mmv_q8_kernel(qtype, NT, S=1):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
+    write_rows = _write_rows_fn(S, NT)
 
     def build():
         @cuda.jit
         def mul_mat_vec_q8_kernel(out, w, xq, xds, RB, K):
             M, T = out.shape[1], out.shape[0]
             lane = cuda.threadIdx.x
-            r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+            wy = cuda.threadIdx.y
+            r = cuda.blockIdx.x * (cuda.blockDim.y // S) + wy // S
+            sl = wy % S
             base = min(r, M - 1) * RB
             t0 = cuda.blockIdx.y * NT
             acc = cuda.local.array(NT, f32)
             for j in range(NT):
                 acc[j] = f32(0.0)
-            for n in range(lane, K >> 3, 32):
+            for n in range(lane + 32 * sl, K >> 3, 32 * S):
                 b = n >> 2
                 u = n & 3
                 c0, c1, d, m4 = idec(w, base, b, u)
                 for j in range(NT):
                     acc[j] += unit_dot_q8(c0, c1, d, m4, xq, xds, min(t0 + j, T - 1), b, u, K, split)
-            for j in range(NT):
-                tot = warp_sum(acc[j])
-                if lane == 0 and r < M and t0 + j < T:
-                    out[t0 + j, r] = tot
+            write_rows(out, acc, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_q8_kernel
-    return _cached(("mmv_q8", int(qtype), NT), build)
+    return _cached(("mmv_q8", int(qtype), NT, S, MMV_WARPS), build)
 
 
 def _mmv_id_q8_kernel(qtype):
@@ -569,12 +611,14 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
             out, w, x, RB, K, T, M, d, d, 1, 1)
         return
     nt = min(T, MMV_MAX_T)      # float rows of odd length at T > MMV_MAX_T: chunks of tokens
-    grid = ((M + MMV_WARPS - 1) // MMV_WARPS, (T + nt - 1) // nt)
+    S = _split_k(M, K)
+    rpb = MMV_WARPS // S        # rows a block
+    grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
     if _int8(qtype, K):
         xq, xds = _quantize_x(x, T, K, stream, x_ready)
-        _mmv_q8_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, RB, K)
+        _mmv_q8_kernel(qtype, nt, S)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, RB, K)
     else:
-        _mmv_kernel(qtype, nt)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
+        _mmv_kernel(qtype, nt, S)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
 
 def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):

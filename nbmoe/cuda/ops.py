@@ -77,6 +77,64 @@ def rms_norm_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
                           out[r, 4 * jj + 2], out[r, 4 * jj + 3])
 
 
+# Rows of more than WORDS_MIN_N values (the model-width norms of decoding, latency-bound: one
+# block a row): each thread keeps its words of 4 consecutive values in registers from the
+# load to the 8-bit output, so the row is read once and there is no second barrier
+# (rms_norm_kernel rereads x and out from memory: ~11 us a 2048-value row on the H200, where
+# this one is a few). Word j of the row belongs to thread j % blockDim, so the 8 words of a
+# 32-block sit on 8 consecutive lanes, as quantize_word wants. Per-head rows (QK-norm, Dh
+# values) keep rms_norm_kernel, whose sum order fused.norm_rope_store repeats.
+WORDS_MIN_N = 256
+
+
+def _rms_norm_words_kernel(WPT):
+    def build():
+        @cuda.jit
+        def rms_norm_words_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
+            sh = cuda.shared.array(32, f32)
+            r = cuda.blockIdx.x
+            tid = cuda.threadIdx.x
+            nth = cuda.blockDim.x
+            n = x.shape[1]
+            nw = n // 4
+            vals = cuda.local.array(4 * WPT, f32)
+            ss = f32(0.0)
+            for k in range(WPT):
+                j = tid + k * nth
+                for i in range(4):
+                    v = f32(0.0)
+                    if j < nw:
+                        v = x[r, 4 * j + i]
+                        if do_add:
+                            v += add[r, 4 * j + i]
+                            x[r, 4 * j + i] = v
+                    vals[4 * k + i] = v
+                    ss += v * v
+            ss = _block_sum(ss, sh)
+            scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
+            for k in range(WPT):
+                j = tid + k * nth
+                for i in range(4):
+                    if j < nw:
+                        o = vals[4 * k + i] * scale * w[4 * j + i]
+                        out[r, 4 * j + i] = o
+                        vals[4 * k + i] = o
+            if do_quant:
+                for k in range(WPT):
+                    if k * nth < nw:               # the same for the whole block
+                        j = tid + k * nth
+                        quantize_word(xq, xds, r * nw + j, j < nw, vals[4 * k], vals[4 * k + 1],
+                                      vals[4 * k + 2], vals[4 * k + 3])
+        return rms_norm_words_kernel
+    key = ("rms_words", WPT)
+    if key not in _kernels:
+        _kernels[key] = build()
+    return _kernels[key]
+
+
+_kernels = {}
+
+
 def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
     """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x.
     add: first x += add (x then holds the sum). xq, xds (matmul.x8_buffers; rows of a
@@ -91,9 +149,18 @@ def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
         raise ValueError("rms_norm: 8-bit output needs rows of a multiple of 32 values")
     if not quant:
         xq, xds = _unused_x8()
-    if x2.shape[0]:
-        rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps), a2, add is not None,
-                                                         xq, xds, quant)
+    if not x2.shape[0]:
+        return
+    if n > WORDS_MIN_N and n % 4 == 0:
+        nth = 32 * min(NORM_THREADS // 32, (n // 4 + 31) // 32)
+        wpt = 1
+        while wpt * nth < n // 4:
+            wpt *= 2
+        _rms_norm_words_kernel(wpt)[x2.shape[0], nth, stream](o2, x2, w, float(eps), a2,
+                                                              add is not None, xq, xds, quant)
+        return
+    rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps), a2, add is not None,
+                                                     xq, xds, quant)
 
 
 _x8_stand_ins = {}
