@@ -139,6 +139,10 @@ def _split_k(M, K):
     return s
 
 
+_PARTS = (8, MMV_MAX_T)     # split-K partial sums a block: MMV_WARPS <= 8 (a module constant:
+                            # Numba takes shared array shapes from globals, not closures)
+
+
 def _write_rows_fn(S, NT):
     """The end of a matrix-vector kernel: warp sums of acc [NT], and with split-K (S warps a
     row) the S partial sums added in slice order by the row's first warp."""
@@ -150,7 +154,7 @@ def _write_rows_fn(S, NT):
                 if lane == 0 and r < M and t0 + j < T:
                     out[t0 + j, r] = tot
             return
-        part = cuda.shared.array((MMV_WARPS, NT), f32)
+        part = cuda.shared.array(_PARTS, f32)   # [warp, token]
         for j in range(NT):
             tot = warp_sum(acc[j])
             if lane == 0:

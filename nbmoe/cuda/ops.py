@@ -88,6 +88,8 @@ WORDS_MIN_N = 256
 
 
 def _rms_norm_words_kernel(WPT):
+    VALS = 4 * WPT                  # (local array sizes must be plain constants)
+
     def build():
         @cuda.jit
         def rms_norm_words_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
@@ -97,7 +99,7 @@ def _rms_norm_words_kernel(WPT):
             nth = cuda.blockDim.x
             n = x.shape[1]
             nw = n // 4
-            vals = cuda.local.array(4 * WPT, f32)
+            vals = cuda.local.array(VALS, f32)
             ss = f32(0.0)
             for k in range(WPT):
                 j = tid + k * nth
