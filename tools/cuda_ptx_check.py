@@ -1,6 +1,6 @@
-"""Compile the int8 tensor-core kernels (nbmoe/cuda/matmul_mma.py) to PTX for sm_90 on a machine
-without a GPU, and assemble them with ptxas: catches inline-asm errors, and prints registers,
-spills and shared memory per kernel.
+"""Compile the int8 tensor-core kernels (nbmoe/cuda/matmul_mma.py), or with --flash the f16 flash
+attention kernel (nbmoe/cuda/flash.py), to PTX for sm_90 on a machine without a GPU, and assemble
+them with ptxas: catches inline-asm errors, and prints registers, spills and shared memory per kernel.
 
 Needs libnvvm, nvrtc and ptxas, e.g. from the pip wheels (a development aid only, not a
 dependency of nbmoe):
@@ -42,7 +42,10 @@ def main():
     ap.add_argument("--ptxas", default="ptxas")
     ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
+    ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
     a = ap.parse_args()
+    if a.flash:
+        sys.exit(check_flash(a))
     if a.tile:
         mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
         mm.TT_ID = mm.TT
@@ -71,6 +74,35 @@ def main():
                 print(r.stderr[-2000:])
                 bad += 1
     sys.exit(1 if bad else 0)
+
+
+def assemble(ptx, path, ptxas):
+    """(ok, 'Used .. registers ..') of ptxas -arch=sm_90 on ptx, written to path."""
+    # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
+    with open(path, "w") as f:
+        f.write(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    out = r.stderr + r.stdout
+    info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
+    if r.returncode:
+        print(r.stderr[-2000:])
+    return r.returncode == 0, info
+
+
+def check_flash(a):
+    from nbmoe.cuda import flash
+    f32, u16 = types.float32[:, :, ::1], types.uint16[:, :, ::1]
+    sig = (f32, f32, u16, u16, types.int32[::1], types.float32, types.int64)
+    bad = 0
+    for Dh in (int(v) for v in a.flash.split(",")):
+        kern, nth, _ = flash._flash_kernel(Dh, 4, flash.WARPS, flash.KEYS, flash.MIN_BLOCKS)
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
+        ok, info = assemble(ptx, os.path.join(a.keep or tempfile.mkdtemp(), f"flash_{Dh}.ptx"), a.ptxas)
+        print(f"flash Dh={Dh} {nth} threads, {ptx.count('mma.sync')} mma, {ptx.count('ld.local')} ld.local in PTX: "
+              f"{'OK' if ok else 'FAILED'} {info}", flush=True)
+        bad += not ok
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

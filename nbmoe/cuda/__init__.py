@@ -1,7 +1,8 @@
 """CUDA kernels (numba.cuda), twins of nbmoe/cpu: same launchers, same signatures, device arrays.
 
 Modules: quants (GGUF block decoders), matmul (mul_mat, mul_mat_id, get_rows, dequantize),
-ops (norms, rope, activations, adds), attention (f16 KV cache), moe (routing, combine).
+ops (norms, rope, activations, adds), attention (f16 KV cache; flash: its prompt kernel on f16
+tensor cores), moe (routing, combine).
 Every launcher takes numba device arrays and python scalars, plus an optional `stream`; it
 never synchronises or copies to the host. Kernels are `<op>_kernel` (or built per type / per
 size by a small factory and cached), launchers `<op>()`.

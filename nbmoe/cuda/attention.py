@@ -12,7 +12,7 @@ not from a launch argument, so a captured CUDA graph replays unchanged for every
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, expf, ld_f16, shfl_idx, warp_max, warp_sum
+from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, warp_max, warp_sum
 
 f32 = np.float32
 NEG_INF = f32(-np.inf)
@@ -25,6 +25,9 @@ HEADS_PER_BLOCK = 4
 # capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
 # (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
+# Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported);
+# off, or for other Dh, the warp-per-query kernel below.
+FLASH = True
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
 
@@ -80,8 +83,8 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 # per lane), then the tile's values weighted by each key's p (broadcast by a shuffle).
 # Measured on the H200 (T=512 at 4k context, 32 heads, Dh 128): 9.8 ms; lanes scoring a key
 # each over all Dh (rows read lane by lane) took 34 ms, 4 keys per iteration 14 ms.
-# A warp walks its keys one after the other: latency-bound. Next step: query tiles sharing
-# K / V tiles in shared memory (flash-attention), tensor cores. Split p of P takes an equal share of the
+# A warp walks its keys one after the other: latency-bound; prompts go to flash.py (query tiles
+# sharing K / V tiles in shared memory, tensor cores) where it can. Split p of P takes an equal share of the
 # token's keys and writes (acc, max, sum) for the merge kernel; with P == 1 it writes out.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
@@ -223,6 +226,9 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
+    if FLASH and T > SPLIT_MAX_T and flash.supported(Dh):
+        flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream)
+        return
     cap = C if window == 0 else min(C, window)                # most keys a query can see
     P = 1
     if T <= SPLIT_MAX_T and cap >= 2 * SPLIT_KEYS:

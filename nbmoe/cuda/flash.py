@@ -1,0 +1,261 @@
+"""Flash attention for prompts on f16 tensor cores (mma.sync m16n8k16, mma.py): attention.py calls
+it for T > SPLIT_MAX_T tokens when FLASH is on and Dh is a multiple of 16 (at most MAX_DH).
+
+Letters as in attention.py: T tokens, H query heads, Hkv kv heads, G = H // Hkv query heads per kv
+head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
+
+    out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G]
+    over keys j <= pos0 + t, and j > pos0 + t - window when window > 0
+
+Layouts: q, out float32 [T, H, Dh] (out may alias q); k_cache, v_cache uint16 [C, Hkv, Dh] of f16
+bit patterns (a cache row: Dh f16 = Dh / 2 32-bit words of 2 f16, the lower dim in the low half,
+which is the order of an mma register); pos int32 [T] on the device, pos[t] = pos[0] + t.
+Rounding: q * scale and the probabilities P go to f16 (relative error 2^-11 each); S, the
+softmax statistics and O are float32.
+"""
+import numpy as np
+from numba import cuda
+
+from . import SIM, expf, ld_f32, ld_u32, shfl_xor, st_f32
+from .mma import mma_f16_16x8x16, pack_f16x2
+
+f32 = np.float32
+u32 = np.uint32
+NEG_INF = f32(-np.inf)
+
+# WARPS warps a block, 16 query rows each (BQ = 16 WARPS); BK = KEYS keys a step. The
+# simulator runs every thread as a Python thread: small tiles there, so tests cross tiles.
+WARPS, KEYS = (2, 16) if SIM else (4, 64)
+# Registers a lane: O is Dh / 2 floats, Q's fragments Dh / 4 words, S BK / 2 floats; Dh 256
+# would spill, and falls back to the warp-per-query kernel.
+MAX_DH = 128
+# Blocks an SM must hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS * 32
+# WARPS)); unbounded, Dh 128 took 242 registers (2 blocks an SM).
+MIN_BLOCKS = 2
+
+_kernels = {}
+
+
+def supported(Dh):
+    """Dh a multiple of 16 (the mma's k) whose Dh / 2 words a row divide a block's threads
+    (staging: 16, 32, 64, 128 with 4 warps; not 48, 80, 96, 112), at most MAX_DH."""
+    return Dh % 16 == 0 and Dh <= MAX_DH and (32 * WARPS) % (Dh // 2) == 0
+
+
+# ---------------------------------------------------------------- the kernel
+# Block (tile, kv head hk), tile = n_tiles - 1 - blockIdx.x (the longest causal rows first).
+# Query rows: the T * G (token, head) pairs of kv head hk, row r = t * G + i for query head
+# hk * G + i, so the G heads that share K / V share every staged tile. The block owns rows
+# tile * BQ .. + BQ - 1; warp w rows + 16 w .. + 15 (one m16 tile); past T * G: q = 0, no store.
+#
+#   one key step (keys j0 .. j0 + BK - 1), shared memory in 32-bit words of 2 f16:
+#     Ks [BK, SK]   key jj: its Dh / 2 words               SK = Dh / 2 + 4
+#     Vt [Dh, SV]   dim d: keys (2i, 2i + 1) in word i      SV = BK / 2 + 4
+#   (both strides are 4 mod 8: the fragment loads of a warp, rows g = 0..7 x words t = 0..3,
+#   hit 32 different banks; Vt is V transposed so that a B fragment, 2 keys of one dim,
+#   is one word).
+#
+#   warp w, lane (g, t):   S [16, BK] = Q [16, Dh] @ K^T            mma k = dims, n = keys
+#                          P = exp(S - m) (online softmax, rows g and g + 8 of the warp)
+#                          O [16, Dh] += P [16, BK] @ V [BK, Dh]    mma k = keys, n = dims
+#   Q fragments qa[4 kc + r] (k-step kc: dims 16 kc ..): loaded once, scaled, as f16.
+#   S n-tile j (keys 8 j ..): s[4 j + e], e = (row g | g + 8) x (key 2t | 2t + 1): its
+#   n-tiles 2 kc, 2 kc + 1 repacked to f16 are P's A fragment for key-step kc (mma.py).
+#   O n-tile n (dims 8 n ..): o[4 n + e], the same (row, col) order.
+# Rows keep their max m and sum l (l: this lane's share, summed over the 4 lanes at the end).
+# Key steps run from the block's first visible key to its last; a warp skips a step that no
+# row of its own sees; masked scores are -inf, keys past the last one are staged as 0 (an
+# unused cache row may hold NaN, and 0 * NaN = NaN).
+# out may alias q: a warp reads its rows of q before the loop and writes the same rows last.
+
+def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
+    key = (Dh, Hkv, WARPS, KEYS, MIN_BLOCKS)
+    if key in _kernels:
+        return _kernels[key]
+    NTH = 32 * WARPS
+    BQ = 16 * WARPS
+    BK = KEYS
+    DW = Dh // 2                # words of a cache row
+    DK = Dh // 16               # k-steps of Q K^T
+    DN = Dh // 8                # n-tiles of O
+    NT = BK // 8                # n-tiles of S
+    KC = BK // 16               # k-steps of P V
+    SK = DW + 4
+    SV = BK // 2 + 4
+    KS, VS = BK * SK, Dh * SV   # array sizes (a shape must be a constant, not an expression)
+    NQ, NO, NS = 4 * DK, 4 * DN, 4 * NT
+    row = Hkv * Dh * 2          # bytes of a cache position (Hkv is compiled in: constant offsets)
+    RP = NTH // DW              # staging: cache rows a pass of the block's threads covers
+    NK = BK // RP               # K words a thread stages a step
+    NV = BK // 2 // RP          # V word pairs a thread stages a step
+    assert supported(Dh) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
+
+    @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
+    def flash_kernel(out, q, k_cache, v_cache, pos, scale, window):
+        T, H = q.shape[0], q.shape[1]
+        G = H // Hkv
+        R = T * G                                     # query rows of a kv head
+        Ks = cuda.shared.array(KS, u32)
+        Vt = cuda.shared.array(VS, u32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t4 = lane & 3
+        hk = cuda.blockIdx.y
+        r0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BQ
+        pos0 = pos[0]
+        # the block's keys: from the first row's window start to the last row's position
+        lo = max(0, pos0 + r0 // G - window + 1) if window > 0 else 0
+        hi = pos0 + (min(r0 + BQ, R) - 1) // G + 1
+        # the warp's rows and the keys they see
+        wr0 = r0 + 16 * warp
+        active = wr0 < R
+        w_lo = pos0 + wr0 // G - window + 1 if window > 0 else 0
+        w_hi = pos0 + (min(wr0 + 16, R) - 1) // G + 1
+        # this lane's two rows: causal limit and window start of each
+        ra = wr0 + g
+        rb = ra + 8
+        ta = min(ra // G, T - 1)
+        tb = min(rb // G, T - 1)
+        lim_a = pos0 + ta
+        lim_b = pos0 + tb
+        low_a = lim_a - window + 1 if window > 0 else 0
+        low_b = lim_b - window + 1 if window > 0 else 0
+        qa_base = (ta * H + hk * G + ra % G) * Dh * 4           # byte offsets of the q / out rows
+        qb_base = (tb * H + hk * G + rb % G) * Dh * 4
+
+        # Q fragments, scaled, in f16 (rows past R: 0)
+        qa = cuda.local.array(NQ, u32)
+        for kc in range(DK):
+            d = 16 * kc + 2 * t4
+            for r in range(4):
+                base = qb_base if r & 1 else qa_base
+                ok = (rb if r & 1 else ra) < R
+                dd = d + 8 * (r >> 1)
+                x0 = ld_f32(q, base, 4 * dd) * scale if ok else f32(0.0)
+                x1 = ld_f32(q, base, 4 * dd + 4) * scale if ok else f32(0.0)
+                qa[4 * kc + r] = pack_f16x2(x0, x1)
+        o = cuda.local.array(NO, f32)
+        for i in range(NO):
+            o[i] = f32(0.0)
+        s = cuda.local.array(NS, f32)
+        kst = cuda.local.array(NK, u32)
+        vst0 = cuda.local.array(NV, u32)
+        vst1 = cuda.local.array(NV, u32)
+        m_a = NEG_INF
+        m_b = NEG_INF
+        l_a = f32(0.0)
+        l_b = f32(0.0)
+        kr = tid // DW                                # staging: key (pair) and word of this thread
+        w = tid - kr * DW
+        kfrag = 4 * (g * SK + t4)                     # byte offsets of this lane's fragment words
+        vfrag = 4 * (g * SV + t4)
+
+        for j0 in range(lo, hi, BK):
+            # 1. stage K (rows) and V (transposed) of keys j0 ..: a thread takes word w of
+            # keys kr + RP i (V: of key pairs kr + RP i), all loads of a matrix before its stores
+            kb = (j0 * Hkv + hk) * Dh * 2 + kr * row + 4 * w
+            for i in range(NK):
+                kst[i] = ld_u32(k_cache, kb, i * RP * row) if j0 + kr + RP * i < hi else u32(0)
+            for i in range(NK):
+                Ks[(kr + RP * i) * SK + w] = kst[i]
+            vb = kb + kr * row                        # key 2 kr (pair kr)
+            for i in range(NV):
+                j = j0 + 2 * (kr + RP * i)
+                vst0[i] = ld_u32(v_cache, vb, 2 * i * RP * row) if j < hi else u32(0)
+                vst1[i] = ld_u32(v_cache, vb, (2 * i * RP + 1) * row) if j + 1 < hi else u32(0)
+            for i in range(NV):
+                a, b = vst0[i], vst1[i]               # dims (2w, 2w + 1) of keys 2 jp, 2 jp + 1
+                jp = kr + RP * i
+                Vt[2 * w * SV + jp] = (a & u32(0xFFFF)) | (b << u32(16))
+                Vt[(2 * w + 1) * SV + jp] = (a >> u32(16)) | (b & u32(0xFFFF0000))
+            cuda.syncthreads()
+
+            if active and j0 < w_hi and j0 + BK > w_lo:
+                # 2. S = Q K^T, masked
+                for j in range(NT):
+                    c0 = c1 = c2 = c3 = f32(0.0)
+                    for kc in range(DK):
+                        off = 4 * (8 * j * SK + 8 * kc)
+                        c0, c1, c2, c3 = mma_f16_16x8x16(
+                            qa[4 * kc], qa[4 * kc + 1], qa[4 * kc + 2], qa[4 * kc + 3],
+                            ld_u32(Ks, kfrag, off), ld_u32(Ks, kfrag, off + 16), c0, c1, c2, c3)
+                    kj = j0 + 8 * j + 2 * t4
+                    s[4 * j] = c0 if low_a <= kj <= lim_a else NEG_INF
+                    s[4 * j + 1] = c1 if low_a <= kj + 1 <= lim_a else NEG_INF
+                    s[4 * j + 2] = c2 if low_b <= kj <= lim_b else NEG_INF
+                    s[4 * j + 3] = c3 if low_b <= kj + 1 <= lim_b else NEG_INF
+                # 3. online softmax: the rows' new max (over the 4 lanes of a row), rescale
+                mx_a = m_a
+                mx_b = m_b
+                for j in range(NT):
+                    mx_a = max(mx_a, max(s[4 * j], s[4 * j + 1]))
+                    mx_b = max(mx_b, max(s[4 * j + 2], s[4 * j + 3]))
+                mx_a = max(mx_a, shfl_xor(mx_a, 1))
+                mx_a = max(mx_a, shfl_xor(mx_a, 2))
+                mx_b = max(mx_b, shfl_xor(mx_b, 1))
+                mx_b = max(mx_b, shfl_xor(mx_b, 2))
+                base_a = mx_a if mx_a != NEG_INF else f32(0.0)    # a row with no key yet: p = 0
+                base_b = mx_b if mx_b != NEG_INF else f32(0.0)
+                corr_a = expf(m_a - base_a)
+                corr_b = expf(m_b - base_b)
+                m_a = mx_a
+                m_b = mx_b
+                l_a *= corr_a
+                l_b *= corr_b
+                for j in range(NT):
+                    s[4 * j] = expf(s[4 * j] - base_a)
+                    s[4 * j + 1] = expf(s[4 * j + 1] - base_a)
+                    s[4 * j + 2] = expf(s[4 * j + 2] - base_b)
+                    s[4 * j + 3] = expf(s[4 * j + 3] - base_b)
+                    l_a += s[4 * j] + s[4 * j + 1]
+                    l_b += s[4 * j + 2] + s[4 * j + 3]
+                for n in range(DN):
+                    o[4 * n] *= corr_a
+                    o[4 * n + 1] *= corr_a
+                    o[4 * n + 2] *= corr_b
+                    o[4 * n + 3] *= corr_b
+                # 4. O += P V: P's A fragment of keys 16 kc .. is S n-tiles 2 kc, 2 kc + 1
+                for kc in range(KC):
+                    e = 8 * kc
+                    p0 = pack_f16x2(s[e], s[e + 1])
+                    p1 = pack_f16x2(s[e + 2], s[e + 3])
+                    p2 = pack_f16x2(s[e + 4], s[e + 5])
+                    p3 = pack_f16x2(s[e + 6], s[e + 7])
+                    for n in range(DN):
+                        off = 4 * (8 * n * SV + 8 * kc)
+                        o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3] = mma_f16_16x8x16(
+                            p0, p1, p2, p3, ld_u32(Vt, vfrag, off), ld_u32(Vt, vfrag, off + 16),
+                            o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3])
+            cuda.syncthreads()
+
+        # 5. out = O / l, l summed over the row's 4 lanes
+        if active:
+            l_a += shfl_xor(l_a, 1)
+            l_a += shfl_xor(l_a, 2)
+            l_b += shfl_xor(l_b, 1)
+            l_b += shfl_xor(l_b, 2)
+            inv_a = f32(1.0) / l_a
+            inv_b = f32(1.0) / l_b
+            for n in range(DN):
+                d = 4 * (8 * n + 2 * t4)
+                if ra < R:
+                    st_f32(out, qa_base, d, o[4 * n] * inv_a)
+                    st_f32(out, qa_base, d + 4, o[4 * n + 1] * inv_a)
+                if rb < R:
+                    st_f32(out, qb_base, d, o[4 * n + 2] * inv_b)
+                    st_f32(out, qb_base, d + 4, o[4 * n + 3] * inv_b)
+
+    _kernels[key] = (flash_kernel, NTH, BQ)
+    return _kernels[key]
+
+
+def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
+    """attention.attention for prompts: q, out [T, H, Dh] (out may alias q), pos a device int32
+    array [T]; supported(Dh) must hold."""
+    T, H, Dh = q.shape
+    G = H // k_cache.shape[1]
+    kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], WARPS, KEYS, MIN_BLOCKS)
+    grid = ((T * G + bq - 1) // bq, k_cache.shape[1])
+    kern[grid, nth, stream](out, q, k_cache, v_cache, pos, f32(scale), int(window))

@@ -1,0 +1,111 @@
+"""Flash attention on f16 tensor cores (nbmoe/cuda/flash.py) and its mma primitive, under Numba's
+CUDA simulator (NBMOE_REAL_GPU=1 runs it on the GPU, as test_cuda_kernels.py).
+
+The primitive: random f16 matrices spread over the 32 lanes' registers by the PTX ISA's fragment
+table for mma.m16n8k16 .f16 (written out here a second time, from the ISA text), each lane's
+four float32 results vs NumPy. The kernel: prompts through attention.attention (T > SPLIT_MAX_T)
+vs the float64 reference of tests/naive.py, with earlier cache rows (pos0 > 0), a window, GQA,
+partial query tiles and key tiles (the simulator's tiles: 2 warps = 32 query rows, 16 keys).
+q * scale and P are rounded to f16 in the kernel: errors ~1e-3 of the output's magnitude.
+Run with -s for the table of max relative errors.
+"""
+import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads; skips without it)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+from test_cuda_kernels import _simulator_speed  # noqa: E402,F401  (fixture)
+from test_cuda_kernels import _attn_case, check, dev, poisoned  # noqa: E402
+
+import naive  # noqa: E402
+from nbmoe.cuda import attention as att  # noqa: E402
+from nbmoe.cuda import flash  # noqa: E402
+from nbmoe.cuda.mma import mma_f16_16x8x16, pack_f16x2  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+RTOL_F16 = 4e-3    # f16 q and P vs the float64 reference
+
+
+# ---------------------------------------------------------------- the primitive
+
+@cuda.jit
+def _mma_kernel(out, regs, c):
+    lane = cuda.threadIdx.x
+    r = regs[lane]
+    d = mma_f16_16x8x16(r[0], r[1], r[2], r[3], r[4], r[5], c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        out[lane, i] = d[i]
+
+
+@cuda.jit
+def _pack_kernel(out, x):
+    i = cuda.threadIdx.x
+    out[i] = pack_f16x2(x[2 * i], x[2 * i + 1])
+
+
+def _word(lo, hi):
+    """Two f16 values -> one register (lo in the low half)."""
+    return np.array([lo, hi], np.float16).view(np.uint32)[0]
+
+
+def test_mma_f16_primitive():
+    """D = A @ B + C with A, B on the f16 grid: the products are exact, so float32 accuracy."""
+    rng = np.random.default_rng(7)
+    A = rng.standard_normal((16, 16)).astype(np.float16)
+    B = rng.standard_normal((16, 8)).astype(np.float16)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    regs = np.zeros((32, 6), np.uint32)
+    c = np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        k = 2 * t
+        regs[lane, 0] = _word(A[g, k], A[g, k + 1])              # a0: row g,     k 2t, 2t+1
+        regs[lane, 1] = _word(A[g + 8, k], A[g + 8, k + 1])      # a1: row g + 8
+        regs[lane, 2] = _word(A[g, k + 8], A[g, k + 9])          # a2: row g,     k 8 + 2t, ..
+        regs[lane, 3] = _word(A[g + 8, k + 8], A[g + 8, k + 9])  # a3: row g + 8
+        regs[lane, 4] = _word(B[k, g], B[k + 1, g])              # b0: col g, k 2t, 2t+1
+        regs[lane, 5] = _word(B[k + 8, g], B[k + 9, g])          # b1: col g, k 8 + 2t, ..
+        c[lane] = C[g, k], C[g, k + 1], C[g + 8, k], C[g + 8, k + 1]
+    out = cuda.to_device(np.zeros((32, 4), np.float32))
+    _mma_kernel[1, 32](out, dev(regs.view(np.int32)), dev(c))
+    D = A.astype(np.float64) @ B.astype(np.float64) + C
+    got = out.copy_to_host()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        ref = [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+        np.testing.assert_allclose(got[lane], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_f16x2_rounds_to_nearest_even():
+    x = np.array([1.0, -2.5, 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1e6, 3e-6, 0.1, -0.0], np.float32)
+    out = cuda.to_device(np.zeros(4, np.uint32))
+    _pack_kernel[1, 4](out, dev(x))
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out.copy_to_host(), x.astype(np.float16).view(np.uint32))
+
+
+# ---------------------------------------------------------------- the kernel
+
+@pytest.mark.parametrize("T,H,Hkv,Dh,pos0,window", [
+    (20, 4, 2, 32, 5, 0),      # G = 2: 40 rows a kv head (a full and a partial tile), 25 keys
+    (20, 4, 2, 32, 5, 7),      # a window shorter than a key tile: steps skipped per warp
+    (13, 3, 1, 16, 0, 0),      # G = 3 (rows of a token across warps), no earlier rows
+    (40, 2, 2, 16, 3, 0),      # G = 1: a warp skips the key steps past its tokens
+])
+def test_flash_attention(T, H, Hkv, Dh, pos0, window, monkeypatch):
+    monkeypatch.setattr(att, "FLASH", True)
+    assert T > att.SPLIT_MAX_T and flash.supported(Dh)
+    q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T + Dh + window)
+    for c in (kc, vc):                               # NaN in the unused cache rows: never read
+        h = c.copy_to_host()
+        h[pos0 + T:] = 0x7E00
+        c.copy_to_device(h)
+    scale = 1.0 / np.sqrt(Dh)
+    ref = naive.attention(q, k_all, v_all, pos0, scale, window)
+    out = poisoned(q.shape)
+    att.attention(out, dev(q), kc, vc, pos0, scale, window)
+    check(f"flash T={T} H={H}/{Hkv} Dh={Dh} pos0={pos0} w={window}", out.copy_to_host(), ref, RTOL_F16)
+    if window:
+        dq = dev(q)
+        att.attention(dq, dq, kc, vc, dev(np.arange(pos0, pos0 + T, dtype=np.int32)), scale, window)
+        check("flash in place", dq.copy_to_host(), ref, RTOL_F16)   # out aliases q
