@@ -31,6 +31,8 @@ for s in $steps; do case $s in
              -ot exps=CPU -t 16 -p 0 -n 128 -r 2 ;;
   mma) step mma-check 240 python tools/cuda_mma_check.py
        NBMOE_REAL_GPU=1 step mma-tests 200 python -m pytest -q -x tests/test_cuda_mma.py ;;
+  flash) step flash-check 200 python tools/cuda_flash_check.py
+         NBMOE_REAL_GPU=1 step flash-tests 200 python -m pytest -q -x tests/test_cuda_flash.py ;;
   pp) step pp-gpu 300 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 512,2048 -n 0 -ub 512,2048 -r 2
       step pp-hybrid 300 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -p 2048 -n 0 \
           -ub 2048 -r 2 --timings ;;
