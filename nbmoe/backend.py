@@ -130,10 +130,11 @@ class Backend:
 class CPUBackend(Backend):
     name = "CPU"
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
         from .cpu import attention, matmul, moe, ops
         self.mm, self.ops, self.attn, self.moe = matmul, ops, attention, moe
+        self.repacked = repacked or {}  # name -> (array, repacked qtype): -rtr (repack.py)
 
     def alloc(self, shape, dtype):
         return np.zeros(shape, dtype)
@@ -146,6 +147,8 @@ class CPUBackend(Backend):
             src.copy_to_host(dst)
 
     def weight(self, name):
+        if name in self.repacked:
+            return self.repacked[name]
         t = self.tensors[name]
         return t.data, int(t.ggml_type)
 
