@@ -49,6 +49,7 @@ from .quants_int8 import _dot4_init, dot_rows_b32
 from .simd import PREFETCH
 
 GROUP = 16
+u64 = np.uint64
 # Independent int32 chains per block (their vpdpbusd are dependent, 5 cycles each): 2 -> 4
 # took Q4_0 in L2 from ~1.2 to ~1.05 cycles a row-block (1 thread, shared VM).
 CHAINS = 4
@@ -81,21 +82,25 @@ def repack(out, w, qt):
     size, qo, qb, sb = layout(qt)
     B, G = rb // size, M // GROUP
     flat = out.reshape(E, M * rb)
+    flip = np.uint8(0x80 if qt == Q8_0 else 0)
+    src_flat = w.reshape(E, M * rb)
     for item in prange(E * G):
         e, g = item // G, item % G
+        # unsigned indices: no negative-index fix-up, so LLVM merges the byte moves
+        src = src_flat[e, g * GROUP * rb:(g + 1) * GROUP * rb]     # rows 16g.. as bytes
         dst = flat[e, g * GROUP * rb:(g + 1) * GROUP * rb]
-        for r in range(GROUP):
-            row = w[e, g * GROUP + r]
-            for b in range(B):
-                o, q = b * size, b * qb + r * 4
-                for k in range(qb // 64):
+        for b in range(B):                                          # written in order
+            o, q, s = u64(b * size), u64(b * qb), u64(B * qb + b * sb)
+            for k in range(qb // 64):
+                for r in range(GROUP):
+                    so, do = u64(r * rb) + o + u64(qo + 4 * k), q + u64(64 * k + 4 * r)
                     for i in range(4):
-                        v = row[o + qo + 4 * k + i]
-                        dst[q + 64 * k + i] = v ^ np.uint8(0x80) if qt == Q8_0 else v
-                s = B * qb + b * sb + 2 * r
-                dst[s], dst[s + 1] = row[o], row[o + 1]                  # d
+                        dst[do + u64(i)] = src[so + u64(i)] ^ flip
+            for r in range(GROUP):
+                so, do = u64(r * rb) + o, s + u64(2 * r)
+                dst[do], dst[do + u64(1)] = src[so], src[so + u64(1)]                     # d
                 if qt == Q4_1:
-                    dst[s + 32], dst[s + 33] = row[o + 2], row[o + 3]    # m
+                    dst[do + u64(32)], dst[do + u64(33)] = src[so + u64(2)], src[so + u64(3)]  # m
     for item in prange(E):
         out[item, G * GROUP:] = w[item, G * GROUP:]
 
