@@ -35,8 +35,12 @@ Equation (block b of row r; xq, xd, xs from quantize_x, sums = the block's sum o
   Q4_0  d_r * xd_b * (sum_k q_rk xq_k - 8 sums_b)       Q8_0: -128 instead of -8
   Q4_1  d_r * xd_b * sum_k q_rk xq_k + m_r * xs_b
 The -8 / -128 term starts the int32 lanes (xbb[b] = -bias * sums_b, from prepare_blocks), so
-each block is: 8 vpdpbusd (CHAINS chains), 1 shift + 3 adds, f16 -> f32 scales, 1 mul, 1 FMA (Q4_1
-+ 1 FMA). Parallel over groups of rows (the matmul drivers' work items hold whole groups).
+each block is: 8 vpdpbusd (CHAINS chains), 1 shift + 3 adds, f16 -> f32 scales, 1 mul,
+1 FMA (Q4_1 + 1 FMA). Parallel over groups of rows (the matmul drivers' work items hold whole groups).
+
+Also here: `repack` (load time, parallel over groups), `dequant_row_r16` (the plain loop:
+get_rows, mul_mat_plain, the tests' reference) and `dequant_rows_r16` (the BLAS path's tile
+decoder in IR: a 64-byte vector of codes to 64 floats at a time, stored 4 per row).
 """
 import numpy as np
 from llvmlite import ir
@@ -44,7 +48,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import FM, Q4_0, Q4_1, Q8_0, dequant_rows, f32, lanes16, load_f16
+from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
 from .quants_int8 import _dot4_init, dot_rows_b32
 from .simd import PREFETCH
 
@@ -116,50 +120,142 @@ def repack_tensor(w, qtype):
     return out.reshape(w.shape), R16[int(qtype)]
 
 
-# ---------------------------------------------------------------- decode (the plain reference)
+# ---------------------------------------------------------------- decode
 
 @njit(inline="always")
-def dequant_group_row(qt, out, w, g, r):
-    """out [K] <- row r of group g of w [M, row_bytes] (repacked, base type qt)."""
+def decode_block(qt, v, grp, B, b, r):
+    """v [32] <- block b of row r of a group's bytes grp (base type qt), a value at a time."""
     size, qo, qb, sb = layout(qt)
+    s = u64(B * qb + b * sb + 2 * r)
+    d = load_f16(grp, s)
+    m = load_f16(grp, s + u64(32)) if qt == Q4_1 else f32(0)
+    for k in range(qb // 64):
+        for i in range(4):
+            q = grp[u64(b * qb + 64 * k + 4 * r + i)]
+            if qt == Q8_0:
+                v[4 * k + i] = d * f32(np.int32(q) - 128)
+            elif qt == Q4_0:
+                v[4 * k + i] = d * (f32(np.int32(q & np.uint8(15))) - f32(8))
+                v[16 + 4 * k + i] = d * (f32(np.int32(q >> np.uint8(4))) - f32(8))
+            else:
+                v[4 * k + i] = d * f32(np.int32(q & np.uint8(15))) + m
+                v[16 + 4 * k + i] = d * f32(np.int32(q >> np.uint8(4))) + m
+
+
+@njit(inline="always")
+def group_bytes(w, g):
+    """The bytes of group g of w [M, row_bytes], as one 1-D array."""
     rb = w.shape[1]
-    B = rb // size
-    grp = w.reshape(w.shape[0] * rb)[g * GROUP * rb:(g + 1) * GROUP * rb]
-    for b in range(B):
-        s = B * qb + b * sb + 2 * r
-        d = load_f16(grp, s)
-        m = load_f16(grp, s + 32) if qt == Q4_1 else f32(0)
-        for k in range(qb // 64):
-            for i in range(4):
-                v = grp[b * qb + 64 * k + r * 4 + i]
-                if qt == Q8_0:
-                    out[b * 32 + 4 * k + i] = d * f32(np.int32(v) - 128)
-                elif qt == Q4_0:
-                    out[b * 32 + 4 * k + i] = d * f32(np.int32(v & np.uint8(15)) - 8)
-                    out[b * 32 + 16 + 4 * k + i] = d * f32(np.int32(v >> np.uint8(4)) - 8)
-                else:
-                    out[b * 32 + 4 * k + i] = d * f32(np.int32(v & np.uint8(15))) + m
-                    out[b * 32 + 16 + 4 * k + i] = d * f32(np.int32(v >> np.uint8(4))) + m
+    return w.reshape(w.shape[0] * rb)[g * GROUP * rb:(g + 1) * GROUP * rb]
+
+
+def _emit_decode(context, b, sig, args, qt):
+    """out[r, 32 blk:32 blk + 32] <- block blk of row r of the group at byte o, r < 16."""
+    _, out, K, w, o, B, blk = args
+    qb, sb = {Q4_0: (256, 32), Q4_1: (256, 64), Q8_0: (512, 32)}[qt]
+    v16f, v64f, v64 = ir.VectorType(_F32, 16), ir.VectorType(_F32, 64), ir.VectorType(_I8, 64)
+    half16 = ir.VectorType(ir.HalfType(), 16)
+
+    def c(v):
+        return ir.Constant(_I64, v)
+
+    def load(ptr, off, ty):
+        return b.load(b.bitcast(b.gep(ptr, [c(off)]), ty.as_pointer()), align=1)
+
+    def per_row(v16):   # <64 x float>: lane j = v16[j // 4]
+        return b.shuffle_vector(v16, v16, ir.Constant(ir.VectorType(_I32, 64), [j // 4 for j in range(64)]))
+
+    wd = context.make_array(sig.args[3])(context, b, w).data
+    qs = b.gep(wd, [b.add(o, b.mul(blk, c(qb)))])
+    sc = b.gep(wd, [b.add(o, b.add(b.mul(B, c(qb)), b.mul(blk, c(sb))))])
+    d = per_row(b.fpext(load(sc, 0, half16), v16f))
+    m = per_row(b.fpext(load(sc, 32, half16), v16f)) if qt == Q4_1 else None
+    od = context.make_array(sig.args[1])(context, b, out).data
+    col = b.mul(blk, c(32))
+    for k in range(qb // 64):
+        q = load(qs, 64 * k, v64)
+        if qt == Q8_0:   # stored w ^ 0x80: flip back, signed
+            halves = [b.sitofp(b.xor(q, ir.Constant(v64, [-128] * 64)), v64f)]
+        else:
+            halves = [b.uitofp(b.and_(q, ir.Constant(v64, [15] * 64)), v64f),
+                      b.uitofp(b.lshr(q, ir.Constant(v64, [4] * 64)), v64f)]
+        for h, v in enumerate(halves):
+            if qt == Q4_0:
+                v = b.fsub(v, ir.Constant(v64f, [8.0] * 64))
+            v = b.fmul(v, d)
+            if m is not None:
+                v = b.fadd(v, m)
+            for r in range(GROUP):   # 4 values of row r
+                piece = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 4), list(range(4 * r, 4 * r + 4))))
+                at = b.add(b.add(b.mul(K, c(r)), col), c(16 * h + 4 * k))
+                b.store(piece, b.bitcast(b.gep(od, [at]), ir.VectorType(_F32, 4).as_pointer()), align=4)
+
+
+@intrinsic
+def decode_group_block(typingctx, qt, out, K, w, o, B, blk):
+    """out [16, K] (C-contiguous, rows of one group): columns 32 blk.. <- block blk of the
+    group at byte o of w's data; B blocks per row; qt a compile-time constant."""
+    if not isinstance(qt, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _emit_decode(context, builder, sig, args, qt.literal_value)
+        return context.get_dummy_value()
+    return types.void(qt, out, K, w, o, B, blk), codegen
+
+
+@njit(inline="always")
+def decode_groups(qt, out, w):
+    """out [R, K] <- w [R, row_bytes] (first row starts a group), a group-block per call."""
+    size = layout(qt)[0]
+    rb = w.strides[0]
+    B, G = w.shape[1] // size, w.shape[0] // GROUP
+    for g in range(G):
+        for b in range(B):
+            decode_group_block(qt, out[g * GROUP:(g + 1) * GROUP], out.shape[1], w, g * GROUP * rb, B, b)
+    dequant_rows(qt, out[G * GROUP:], w[G * GROUP:])
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_q4_0(out, w):
+    decode_groups(Q4_0, out, w)
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_q4_1(out, w):
+    decode_groups(Q4_1, out, w)
+
+
+@njit(cache=True, error_model="numpy")
+def _decode_q8_0(out, w):
+    decode_groups(Q8_0, out, w)
 
 
 @njit(cache=True, error_model="numpy")
 def dequant_rows_r16(qtype, out, w):
-    """out [R, K] <- repacked rows w [R, row_bytes] whose first row starts a group."""
-    qt = base_of(qtype)
-    G = w.shape[0] // GROUP
-    for g in range(G):
-        for r in range(GROUP):
-            dequant_group_row(qt, out[g * GROUP + r], w, g, r)
-    dequant_rows(qt, out[G * GROUP:], w[G * GROUP:])
+    """out [R, K] <- repacked rows w [R, row_bytes] whose first row starts a group: the BLAS
+    path's decoder (IR, a 64-byte vector at a time); dequant_row_r16 is the plain loop."""
+    if qtype == Q4_0_R16:
+        _decode_q4_0(out, w)
+    elif qtype == Q4_1_R16:
+        _decode_q4_1(out, w)
+    else:
+        _decode_q8_0(out, w)
 
 
 @njit(cache=True, error_model="numpy")
 def dequant_row_r16(qtype, out, w, row):
     """out [K] <- row `row` of a whole repacked matrix w [M, row_bytes] (get_rows)."""
     qt = base_of(qtype)
-    g = row // GROUP
+    size = layout(qt)[0]
+    B, g = w.shape[1] // size, row // GROUP
     if g < w.shape[0] // GROUP:
-        dequant_group_row(qt, out, w, g, row % GROUP)
+        grp = group_bytes(w, g)
+        for b in range(B):
+            v = block32()
+            decode_block(qt, v, grp, B, b, row % GROUP)
+            for i in range(32):
+                out[u64(b * 32 + i)] = v[i]
     else:
         dequant_rows(qt, out.reshape(1, out.shape[0]), w[row:row + 1])
 
