@@ -56,7 +56,11 @@ class Backend:
         from .fusion import find_groups
         T = graph.n_tokens
         self._groups = (find_groups(graph.nodes, self.name, T, lambda n: self.vec_ok(n, T),
-                                    self.max_vec_t, self.fuse_kinds) if self.fuse_kinds else {})
+                                    self.max_vec_t, self.fuse_kinds, self._weight_type)
+                        if self.fuse_kinds else {})
+
+    def _weight_type(self, node):
+        return self.weight(node.weight)[1] if node.weight else None
 
     def bind(self, node, buf, state):
         group = self._groups.get(id(node))
@@ -155,11 +159,12 @@ class CPUBackend(Backend):
     name = "CPU"
     fuse_kinds = ("products", "glu", "glu_id", "down_combine")
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
         from .cpu import attention, fused, matmul, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
         self.max_vec_t = matmul.BLAS_MIN_T - 1
+        self.repacked = repacked or {}  # name -> (array, repacked qtype): -rtr (repack.py)
 
     def vec_ok(self, node, n_tokens):
         return n_tokens < self.mm.BLAS_MIN_T
@@ -169,7 +174,7 @@ class CPUBackend(Backend):
         ops = [self.mul_mat_operands(n, buf) for n in members]
         outs, ws = [o[0] for o in ops], [o[1] for o in ops]
         x, qtype, mm, fused = ops[0][2], ops[0][3], self.mm, self.fused
-        step = mm.item_rows(sum(w.shape[0] for w in ws), ws[0].shape[1], x.shape[0])
+        step = mm.item_rows(sum(w.shape[0] for w in ws), ws[0].shape[1], x.shape[0], qtype)
         int8 = mm._int8(qtype)
         return [None] * (len(members) - 1) + [
             _labelled(lambda: fused.products(outs, ws, x, qtype, int8, step), "MUL_MAT")]
@@ -179,7 +184,7 @@ class CPUBackend(Backend):
         _, wg, x, qtype = self.mul_mat_operands(gate, buf)
         wu = self.mul_mat_operands(up, buf)[1]
         out, act, mm, fused = _rows2d(buf[glu.out]), _act(self.fused, glu), self.mm, self.fused
-        step, int8 = mm.item_rows(wg.shape[0], 2 * wg.shape[1], x.shape[0]), mm._int8(qtype)
+        step, int8 = mm.item_rows(wg.shape[0], 2 * wg.shape[1], x.shape[0], qtype), mm._int8(qtype)
         return [None, None, _labelled(lambda: fused.glu(out, wg, wu, x, qtype, int8, step, act),
                                       "MUL_MAT+GLU")]
 
@@ -188,7 +193,7 @@ class CPUBackend(Backend):
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
-        step, int8 = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0]), mm._int8(qtype)
+        step, int8 = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype), mm._int8(qtype)
         return [None, None, _labelled(
             lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
 
@@ -197,7 +202,7 @@ class CPUBackend(Backend):
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, mm, fused = buf[combine.out], buf[combine.srcs[1]], self.mm, self.fused
         A = ids.shape[1]
-        step, int8 = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0]), mm._int8(qtype)
+        step, int8 = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype), mm._int8(qtype)
         return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step),
                                 "MUL_MAT_ID+MOE_COMBINE")]
 
@@ -212,6 +217,8 @@ class CPUBackend(Backend):
             src.copy_to_host(dst)
 
     def weight(self, name):
+        if name in self.repacked:
+            return self.repacked[name]
         t = self.tensors[name]
         return t.data, int(t.ggml_type)
 

@@ -2,6 +2,7 @@
 
     python -m nbmoe.bench                       # default model, pp512 and tg128
     python -m nbmoe.bench -m model.gguf -p 512,1024 -n 128 -t 1,2 -r 3 -o json
+    python -m nbmoe.bench -m model.gguf -t 2 -rtr 0,1     # without and with run-time repacking
 
 Each test runs once to warm up, then -r times from an empty cache; t/s is mean ± std over
 the repetitions. For tg the table also shows the weight bytes the CPU reads from RAM per token
@@ -24,8 +25,8 @@ from gguf import LlamaFileType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import (add_model_args, add_placement_args, err_console, friendly_errors,
-                         placement_kwargs, resolve_model)
+from .cli_common import (add_model_args, add_placement_args, add_repack_arg, err_console,
+                         friendly_errors, placement_kwargs, resolve_model)
 
 
 def int_list(s):
@@ -48,10 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--timings", action="store_true",
                    help="print the time per op type, copies and overhead of each test "
                         "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
+    add_repack_arg(p, lists=True)
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
     args.ngl_list = int_list(args.n_gpu_layers)
     args.ub_list = int_list(args.ubatch_size)
+    args.rtr_list = [bool(v) for v in int_list(args.run_time_repack)]
     return args
 
 
@@ -132,28 +135,33 @@ def main(argv=None):
         need = max([1] + args.n_prompt + args.n_gen)
         rng = np.random.default_rng(0)
         rows, bw = [], {}
-        for ngl in args.ngl_list:
-            for ub in args.ub_list:
-                llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub,
-                           **placement_kwargs(args, ngl))
-                facts = model_facts(llm)
-                if args.explain:
-                    explain(llm, ub)
-                for threads in threads_list:
-                    llm.threads = threads
-                    numba.set_num_threads(threads)
-                    if not args.no_bandwidth and threads not in bw:
-                        bw[threads] = read_bandwidth()
-                    for kind, n in tests(args):
-                        with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
-                            times = run_test(llm, kind, n, args, rng)
-                        rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
-                                             bw.get(threads), ngl, ub))
-                        if args.output == "md":
-                            err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} t={threads}: "
-                                              f"{rows[-1]['avg_ts']:.2f} t/s")
-                        if args.timings:
-                            show_timings(llm, kind, n, args.batch_size, rng)
+        llm = None
+        for ngl, ub, rtr in [(g, u, r) for g in args.ngl_list for u in args.ub_list for r in args.rtr_list]:
+            llm = None      # the previous model's memory (and repacked copies) go first
+            llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
+                       **placement_kwargs(args, ngl))
+            facts = model_facts(llm)
+            if llm.repack_stats and args.output == "md":
+                s = llm.repack_stats
+                err_console.print(f"  -rtr: {s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB "
+                                  f"repacked in {s['seconds']:.2f} s")
+            if args.explain:
+                explain(llm, ub)
+            for threads in threads_list:
+                llm.threads = threads
+                numba.set_num_threads(threads)
+                if not args.no_bandwidth and threads not in bw:
+                    bw[threads] = read_bandwidth()
+                for kind, n in tests(args):
+                    with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
+                        times = run_test(llm, kind, n, args, rng)
+                    rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
+                                         bw.get(threads), ngl, ub))
+                    if args.output == "md":
+                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} t={threads}: "
+                                          f"{rows[-1]['avg_ts']:.2f} t/s")
+                    if args.timings:
+                        show_timings(llm, kind, n, args.batch_size, rng)
         print_rows(rows, args.output, facts)
 
 
@@ -206,6 +214,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         model_filename=os.path.basename(path), model_type=facts["label"],
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
         n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
+        repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -241,8 +250,10 @@ def print_rows(rows, fmt, facts):
         return
     table = Table(title="nbmoe bench", title_justify="left")
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
+    show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch", "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
+        "n_ubatch"] + (["rtr"] if show_rtr else []) + [
+        "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
     for r in rows:
@@ -256,7 +267,8 @@ def print_rows(rows, fmt, facts):
             all_gbs = [f"{r['weight_gbs']:.1f}" if r["weight_gbs"] is not None else ""]
         gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
-                      r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]), test,
+                      r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
+                      *([str(int(r["repack"]))] if show_rtr else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     console = Console()
     if not console.is_terminal:   # piped: do not wrap the table at 80 columns

@@ -16,6 +16,16 @@ def add_model_args(p, lists=False):
                    help="micro-batch size for prompts" + (" (comma list)" if lists else ""))
 
 
+def add_repack_arg(p, lists=False):
+    """-rtr, as in llama.cpp / ik_llama.cpp (bench: a comma list of 0 / 1)."""
+    if lists:
+        p.add_argument("-rtr", "--run-time-repack", default="0",
+                       help="repack RAM-resident Q4_0 / Q4_1 / Q8_0 matrices at load (comma list of 0/1)")
+    else:
+        p.add_argument("-rtr", "--run-time-repack", action="store_true",
+                       help="repack RAM-resident Q4_0 / Q4_1 / Q8_0 matrices at load for faster CPU kernels")
+
+
 def add_placement_args(p, lists=False):
     """-ngl -ot -op --cpu-moe --n-cpu-moe, as in llama.cpp (bench takes comma lists for -ngl)."""
     from .graph import OPS

@@ -18,6 +18,7 @@ from .gguf_file import GGUFFile
 from .kv_cache import KVCache
 from .model import build_graph, check_tensors
 from .placement import moe_overrides, parse_overrides, place_tensors
+from .repack import repack_weights
 from .sampling import Sampler, SamplingParams
 from .scheduler import OffloadPolicy, make_plan
 from .tokenizer import Tokenizer
@@ -32,7 +33,7 @@ class _State:
 
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
-                 override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0):
+                 override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -44,10 +45,15 @@ class LLM:
         self.weights = dict(self.file.tensors)
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
-        self.backends = {"CPU": CPUBackend(self.weights), **self._gpu_backends()}
+        self.threads = threads or default_threads()
+        # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 matrices rewritten for the CPU kernels (repack.py)
+        self.repacked, self.repack_stats = {}, None
+        if repack:
+            numba.set_num_threads(self.threads)
+            self.repacked, self.repack_stats = repack_weights(self.file, self.weights, self.placement)
+        self.backends = {"CPU": CPUBackend(self.weights, self.repacked), **self._gpu_backends()}
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
-        self.threads = threads or default_threads()
         self.n_ubatch = max(1, int(n_ubatch))
         kv_place = [self.placement[f"blk.{il}.attn_q.weight"][0] for il in range(self.cfg.n_layer)]
         self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
@@ -186,7 +192,9 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path, n_ctx=2048, threads=None, n_ubatch=512, **placement):
-    """Open a GGUF model. Placement options (hybrid CPU + GPU): n_gpu_layers, override_tensors
-    (["REGEX=BUFTYPE", ...]), offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe."""
-    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, **placement)
+def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
+    """Open a GGUF model. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 matrices for the
+    CPU kernels (llama.cpp's -rtr; see repack.py). Placement options (hybrid CPU + GPU):
+    n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]), offload_policy ("-op" string or
+    OffloadPolicy), cpu_moe, n_cpu_moe."""
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

@@ -21,12 +21,14 @@ ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 
 
-def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS):
+def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None):
     """{id(node): (kind, members)} for the nodes of `backend`. vec_ok(node): the node's
-    product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit."""
+    product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit;
+    wtype(node): its weight's type as the backend stores it (the products of one group share
+    it: a fused kernel takes one type)."""
     groups, i = {}, 0
     while ENABLED and i < len(nodes):
-        found = _match(nodes, i, backend, n_tokens, vec_ok, max_t)
+        found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype)
         if found is None or found[0] not in kinds:
             i += 1
             continue
@@ -41,25 +43,26 @@ def _product(node, op, backend, vec_ok):
     return (node.op == op and node.backend == backend and node.cause == "wgt" and vec_ok(node))
 
 
-def _match(nodes, i, backend, T, vec_ok, max_t):
+def _match(nodes, i, backend, T, vec_ok, max_t, wtype):
     def at(j):
         return nodes[i + j] if i + j < len(nodes) else None
+
+    def twin(a, b, op):       # b: a product of a's input with a weight of a's type
+        return (b is not None and _product(b, op, backend, vec_ok) and b.srcs == a.srcs
+                and wtype(b) == wtype(a))
 
     n0, n1, n2 = at(0), at(1), at(2)
     if n0 is None or n0.backend != backend:
         return None
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
-        if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok)
-                and _product(n1, op, backend, vec_ok) and n0.srcs == n1.srcs
+        if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
                 and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
             return kind, [n0, n1, n2]
     # products of one input
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
         run = [n0]
-        while (len(run) < 3 and at(len(run)) is not None
-               and _product(at(len(run)), "MUL_MAT", backend, vec_ok)
-               and at(len(run)).srcs == n0.srcs):
+        while len(run) < 3 and twin(n0, at(len(run)), "MUL_MAT"):
             run.append(at(len(run)))
         if len(run) >= 2:
             return "products", run

@@ -177,6 +177,14 @@ class GGUFFile:
         data = data.reshape(tuple(reversed(ne[1:])) + (row_bytes,))
         return TensorInfo(name, gtype, ne, offset, n_bytes, data)
 
+    def drop_pages(self, offset, n_bytes):
+        """Let the kernel drop the pages wholly inside bytes offset..offset + n_bytes (a tensor
+        copied elsewhere); touching them again re-reads the file."""
+        page = mmap.PAGESIZE
+        lo, hi = (offset + page - 1) // page * page, (offset + n_bytes) // page * page
+        if hi > lo and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     @property
     def architecture(self):
         return self.meta.get("general.architecture", "")

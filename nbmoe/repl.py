@@ -7,8 +7,8 @@ Piped input works too: `echo "Hi" | python -m nbmoe -n 32` answers each line in 
 import argparse
 import sys
 
-from .cli_common import (add_model_args, add_placement_args, err_console, friendly_errors,
-                         placement_kwargs, resolve_model, warm_up)
+from .cli_common import (add_model_args, add_placement_args, add_repack_arg, err_console,
+                         friendly_errors, placement_kwargs, resolve_model, warm_up)
 
 
 def parse_args(argv=None):
@@ -25,6 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed")
     p.add_argument("-sys", "--system-prompt", default=None, help="system message")
+    add_repack_arg(p)
     add_placement_args(p)
     return p.parse_args(argv)
 
@@ -75,7 +76,7 @@ def main(argv=None):
         path = resolve_model(args.model)
         with err_console.status(f"loading {path}"):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
-                       **placement_kwargs(args))
+                       repack=args.run_time_repack, **placement_kwargs(args))
         warm_up(llm)
         chat = Chat(llm, args)
         interactive = sys.stdin.isatty()

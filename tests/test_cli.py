@@ -37,6 +37,16 @@ def test_bench_table(moe_model):
     assert "pp8" in r.stdout and "tg2" in r.stdout and "t/s" in r.stdout and "GB/s" in r.stdout
 
 
+def test_bench_rtr(moe_model):
+    """-rtr 0,1: a model loaded each way, the rows tagged; the REPL takes -rtr too."""
+    r = run(["nbmoe.bench", "-m", moe_model, "-p", "0", "-n", "2", "-r", "1", "-t", "1",
+             "-rtr", "0,1", "-o", "json", "--no-bandwidth"])
+    assert r.returncode == 0, r.stderr
+    assert [x["repack"] for x in json.loads(r.stdout)] == [False, True]
+    r = run(["nbmoe", "-m", moe_model, "-n", "4", "--temp", "0", "-rtr"], stdin="hello\n")
+    assert r.returncode == 0, r.stderr
+
+
 def test_repl_piped(moe_model):
     r = run(["nbmoe", "-m", moe_model, "-n", "8", "--temp", "0"], stdin="hello\n/stats\n/reset\nhi\n/quit\n")
     assert r.returncode == 0, r.stderr

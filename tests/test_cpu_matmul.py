@@ -281,3 +281,102 @@ def test_int8_generic_dot():
     env.pop("NUMBA_CACHE_DIR", None)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- repacked layouts (-rtr)
+# quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
+# layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned). The repacked kernels
+# are compared with the plain int8 kernels (same x rounding: only the float summation order
+# differs), with float64 over the rounded x, and with the exact product; T = 17 takes the
+# decode + BLAS path. ITEM_BYTES shrunk: T = 1 runs several items of whole groups.
+
+RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+RTOL_RTR = 2e-6
+
+
+def repacked(w, name):
+    from nbmoe.cpu.quants_rtr import repack_tensor
+    wr, qr = repack_tensor(w, int(Q[name]))
+    wr.flags.writeable = False
+    return wr, qr
+
+
+@pytest.mark.parametrize("name", RTR_TYPES)
+def test_repack_decodes_exactly(name):
+    E, M, K = 2, 37, 224
+    w = quantize(rnd(E, M, K, seed=20), name)
+    wr, qr = repacked(w, name)
+    assert wr.shape == w.shape and qr != int(Q[name]) and matmul.row_size(qr, K) == w.shape[-1]
+    assert np.array_equal(matmul.dequantize(wr, qr), ref_dequant(w, name, K))
+    ids = np.array([0, 15, 16, 31, 32, 36, 17], np.int32)      # group starts / ends, the tail
+    out = np.full((ids.shape[0], K), np.nan, np.float32)
+    matmul.get_rows(out, wr[1], ids, qr)
+    assert np.array_equal(out, ref_dequant(w[1], name, K)[ids])
+
+
+@pytest.mark.parametrize("name", RTR_TYPES)
+@pytest.mark.parametrize("T", [1, 2, 5, 17])
+def test_mul_mat_rtr(name, T, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    M, K = 37, 224
+    w = quantize(rnd(M, K, seed=21), name)
+    wr, qr = repacked(w, name)
+    x = rnd(T, K, seed=22)
+    x[0, 5] = 40.0
+    wd = ref_dequant(w, name, K)
+    got, plain = (np.full((T, M), np.nan, np.float32) for _ in range(2))
+    matmul.mul_mat(got, wr, x, qr)
+    matmul.mul_mat(plain, w, x, int(Q[name]))
+    assert max_rel(got, plain.astype(np.float64)) < RTOL_RTR
+    if T < matmul.BLAS_MIN_T:
+        assert max_rel(got, x_rounded(x) @ wd.T) < RTOL
+        assert max_rel(got, x.astype(np.float64) @ wd.T) < RTOL_X8
+    else:
+        assert max_rel(got, x.astype(np.float64) @ wd.T) < RTOL
+    ref_plain = np.full((T, M), np.nan, np.float32)
+    matmul.mul_mat_plain(ref_plain, wr, x, qr)
+    assert max_rel(ref_plain, x.astype(np.float64) @ wd.T) < RTOL
+
+
+@pytest.mark.parametrize("name", RTR_TYPES)
+@pytest.mark.parametrize("T", [1, 5, 17])
+def test_mul_mat_id_rtr(name, T, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    E, A, M, K = 6, 3, 37, 224
+    w = quantize(rnd(E, M, K, seed=23), name)
+    wr, qr = repacked(w, name)
+    x = rnd(T, A, K, seed=24)
+    ids = expert_ids(T, A, E, seed=T)
+    got, plain = (np.full((T, A, M), np.nan, np.float32) for _ in range(2))
+    matmul.mul_mat_id(got, wr, x, ids, qr)
+    matmul.mul_mat_id(plain, w, x, ids, int(Q[name]))
+    assert max_rel(got, plain.astype(np.float64)) < RTOL_RTR
+    assert max_rel(got, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
+
+
+def test_int8_generic_dot_rtr():
+    """Repacked kernels with the portable dot4 (NBMOE_NO_VNNI=1) agree with the plain int8 ones."""
+    code = (
+        "import numpy as np, nbmoe\n"
+        "from gguf import GGMLQuantizationType as Q\n"
+        "from gguf.quants import quantize\n"
+        "from nbmoe.cpu import matmul, quants_int8\n"
+        "from nbmoe.cpu.quants_rtr import repack_tensor\n"
+        "assert not quants_int8.HAS_VNNI\n"
+        "matmul.INT8_DOT = True\n"
+        "rng = np.random.default_rng(0)\n"
+        "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "    w = np.ascontiguousarray(quantize(rng.standard_normal((37, 224), dtype=np.float32), Q[name]).view(np.uint8))\n"
+        "    wr, qr = repack_tensor(w, int(Q[name]))\n"
+        "    x = rng.standard_normal((2, 224), dtype=np.float32)\n"
+        "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
+        "    matmul.mul_mat(out, wr, x, qr)\n"
+        "    matmul.mul_mat(ref, w, x, int(Q[name]))\n"
+        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), name\n"
+        "print('ok')\n")
+    env = dict(os.environ, NBMOE_NO_VNNI="1")
+    env.pop("NUMBA_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -12,8 +12,8 @@ MOE = dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_di
 DENSE = dict(arch="qwen3")
 
 
-def decode(path):
-    llm = nbmoe.load(path, n_ctx=32, threads=2)
+def decode(path, **kw):
+    llm = nbmoe.load(path, n_ctx=32, threads=2, **kw)
     out = [llm.eval([1, 17, 40])]
     for tok in (5, 9):
         out.append(llm.eval([tok]))
@@ -36,5 +36,16 @@ def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
     monkeypatch.setattr(fusion, "ENABLED", False)
     plain, llm = decode(path)
     assert llm.backends["CPU"]._groups == {}
+    for a, b in zip(fused, plain):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+def test_cpu_groups_on_repacked_weights(tiny_model, monkeypatch):
+    """-rtr: the fused groups run the repacked kernels (16-row groups: items of whole groups)."""
+    path = tiny_model(**{**MOE, "n_ff_exp": 96}, types=[("exps", "Q4_0")], default_type="Q8_0")
+    fused, llm = decode(path, repack=True)
+    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "glu_id", "down_combine"}
+    monkeypatch.setattr(fusion, "ENABLED", False)
+    plain, _ = decode(path, repack=True)
     for a, b in zip(fused, plain):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

@@ -89,3 +89,29 @@ def test_kquant_and_iq_models_match_reference(tiny_model, qtype, monkeypatch):
     cos = cosine_rows(llm.eval(PROMPT), want)
     print(f"qwen3moe {qtype} int8: cosine min {cos.min():.6f} median {np.median(cos):.6f}")
     assert np.median(cos) >= 0.999
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_repack_matches_plain(tiny_model, qtype):
+    """-rtr (repack=True) gives the int8 path's logits and greedy tokens: the attention and
+    expert matrices and the tied output layer repacked, the embedding left for GET_ROWS."""
+    path = tiny_model(**ARCHS["qwen3moe"], default_type=qtype)
+    plain = nbmoe.load(path, n_ctx=64, threads=2)
+    rtr = nbmoe.load(path, n_ctx=64, threads=2, repack=True)
+    assert "blk.0.ffn_down_exps.weight" in rtr.repacked and "output.weight" in rtr.repacked
+    assert "token_embd.weight" not in rtr.repacked
+    cos = cosine_rows(rtr.eval(PROMPT), plain.eval(PROMPT))
+    assert cos.min() >= 0.999
+    plain.reset()
+    rtr.reset()
+    assert (list(rtr.generate_ids(PROMPT, max_tokens=16, stop_ids=()))
+            == list(plain.generate_ids(PROMPT, max_tokens=16, stop_ids=())))
+
+
+def test_repack_skips_gpu_and_get_rows_tensors(tiny_model):
+    from nbmoe.repack import repackable
+    t = nbmoe.load(tiny_model(**ARCHS["qwen3moe"], default_type="Q4_0"), n_ctx=16).weights
+    assert repackable("blk.0.attn_q.weight", t["blk.0.attn_q.weight"], "CPU")
+    assert not repackable("blk.0.attn_q.weight", t["blk.0.attn_q.weight"], "CUDA0")
+    assert not repackable("token_embd.weight", t["token_embd.weight"], "CPU")
+    assert not repackable("blk.0.attn_norm.weight", t["blk.0.attn_norm.weight"], "CPU")

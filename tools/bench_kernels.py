@@ -3,6 +3,7 @@ measured in the same run, the expert product of one token, and batched GFLOP/s a
 
     python tools/bench_kernels.py -t 2                       # every CPU type, rich table
     python tools/bench_kernels.py -t 2 --types Q4_K,Q8_0 -o json
+    python tools/bench_kernels.py -t 2 --types Q4_0,Q8_0 --rtr    # + the repacked layout (-rtr)
 
 Every case is checked against gguf-py's dequantization + a float64 product before it is
 timed. T=1 calls walk through weight copies larger than the L3, so every call reads its
@@ -27,6 +28,7 @@ from nbmoe.cpu import matmul
 from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import TYPES
 from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES
+from nbmoe.cpu.quants_rtr import R16, repack_tensor
 
 ALL_TYPES = ("F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,"
              "MXFP4,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
@@ -90,52 +92,68 @@ def copies(w, copy_mb):
     return out
 
 
+def variants(qt, ws, rtr):
+    """(path label, int8, qtype, weight copies): the int8 / float paths, and with --rtr the
+    repacked layout (quants_rtr) of the same copies."""
+    out = [("int8", True, qt, ws)] if HAS_VNNI and qt in INT8_TYPES else []
+    if rtr and qt in R16:
+        out.append(("int8 rtr", True, R16[qt], copies_of([repack_tensor(w, qt)[0] for w in ws])))
+    return out + [("float", False, qt, ws)]
+
+
+def copies_of(ws):
+    for w in ws:
+        w.flags.writeable = False
+    return ws
+
+
 def bench_type(name, a, bw, rng):
     qt = int(GGMLQuantizationType[name])
-    paths = (True, False) if HAS_VNNI and qt in INT8_TYPES else (False,)
     rows = []
     for shape in filter(None, a.shapes.split(",")):
         M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue  # rows of 576 do not hold 256-value super-blocks
-        ws = copies(weights(rng, qt, M, K), a.copy_mb)
+        w0 = weights(rng, qt, M, K)
         x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
-        step = matmul.item_rows(M, ws[0].shape[1], 1)
-        for int8 in paths:
-            matmul._mul_mat_vec(out, ws[0], x, qt, int8, step)
-            err = check(out, ws[0], x, qt, 1.5e-2 if int8 else 1e-4)
-            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, qt, int8, step), len(ws))
+        for path, int8, q, ws in variants(qt, copies(w0, a.copy_mb), a.rtr):
+            step = matmul.item_rows(M, w0.shape[1], 1, q)
+            matmul._mul_mat_vec(out, ws[0], x, q, int8, step)
+            err = check(out, w0, x, qt, 1.5e-2 if int8 else 1e-4)
+            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, q, int8, step), len(ws))
             gbs = ws[0].nbytes / t / 1e9
-            rows.append(dict(type=name, test=f"mat-vec {M}x{K}", path="int8" if int8 else "float",
+            rows.append(dict(type=name, test=f"mat-vec {M}x{K}", path=path,
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=2 * M * K / t / 1e9, rel_err=err))
     for shape in filter(None, a.moe.split(",")):   # one token through 8 experts; calls walk through all E
         E, M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue
         w1 = weights(rng, qt, M, K)
-        ws = copies(np.ascontiguousarray(np.broadcast_to(w1, (E,) + w1.shape)), a.copy_mb)
+        wsp = copies(np.ascontiguousarray(np.broadcast_to(w1, (E,) + w1.shape)), a.copy_mb)
         x, out = rng.standard_normal((1, 8, K), dtype=np.float32), np.empty((1, 8, M), np.float32)
         ids = [np.arange(8 * i, 8 * i + 8, dtype=np.int32).reshape(1, 8) % E for i in range(E // 8)]
-        step = matmul.item_rows(M, w1.shape[1], 1)
-        for int8 in paths:
-            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], qt, 9, int8, step)
+        for path, int8, q, ws in variants(qt, wsp, a.rtr):
+            step = matmul.item_rows(M, w1.shape[1], 1, q)
+            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], q, 9, int8, step)
             err = check(out[0, 0:1], w1, x[0, 0:1], qt, 1.5e-2 if int8 else 1e-4)
             t = walk_time(lambda i: matmul._mul_mat_id_vec(out, ws[i // len(ids) % len(ws)], x,
-                                                           ids[i % len(ids)], qt, 9, int8, step), len(ids) * len(ws))
+                                                           ids[i % len(ids)], q, 9, int8, step), len(ids) * len(ws))
             gbs = 8 * w1.nbytes / t / 1e9
-            rows.append(dict(type=name, test=f"experts {E}x{M}x{K} A=8", path="int8" if int8 else "float",
+            rows.append(dict(type=name, test=f"experts {E}x{M}x{K} A=8", path=path,
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=16 * M * K / t / 1e9, rel_err=err))
     for shape in filter(None, a.gemm.split(",")):
         M, K = (int(v) for v in shape.split("x"))
         if K % TYPES[qt][0]:
             continue
-        w = weights(rng, qt, M, K)
+        w0 = weights(rng, qt, M, K)
         x, out = rng.standard_normal((512, K), dtype=np.float32), np.empty((512, M), np.float32)
-        matmul.mul_mat(out, w, x, qt)
-        err = check(out, w, x, qt, 1e-4)
-        t = best_time(lambda i: matmul.mul_mat(out, w, x, qt), 5)
-        rows.append(dict(type=name, test=f"batch 512 x {M}x{K}", path="dequant+BLAS", ms=t * 1e3,
-                         gbs=None, ratio=None, gflops=2 * 512 * M * K / t / 1e9, rel_err=err))
+        for path, q, w in [("dequant+BLAS", qt, w0)] + ([("dequant+BLAS rtr", R16[qt], repack_tensor(w0, qt)[0])]
+                                                      if a.rtr and qt in R16 else []):
+            matmul.mul_mat(out, w, x, q)
+            err = check(out, w0, x, qt, 1e-4)
+            t = best_time(lambda i: matmul.mul_mat(out, w, x, q), 5)
+            rows.append(dict(type=name, test=f"batch 512 x {M}x{K}", path=path, ms=t * 1e3,
+                             gbs=None, ratio=None, gflops=2 * 512 * M * K / t / 1e9, rel_err=err))
     return rows
 
 
@@ -149,6 +167,7 @@ def main(argv=None):
     p.add_argument("--gemm", default="4096x4096", help="MxK list, T=512 batched product")
     p.add_argument("--copy-mb", type=float, default=400, help="MB of weight copies walked through")
     p.add_argument("--reps", type=int, default=2, help="walks per case (the best is kept)")
+    p.add_argument("--rtr", action="store_true", help="also the repacked layout of Q4_0 / Q4_1 / Q8_0 (-rtr)")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = p.parse_args(argv)
     REPS = a.reps

@@ -18,6 +18,11 @@ Two paths, chosen per call by the number of tokens T sharing a weight matrix:
 `mul_mat_plain` (decode a row to float32, dot it) is the plain reference both are tested
 against. Kernels take qtype as an int and branch inside, so each compiles once for all types.
 
+Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 rewritten at load time into groups
+of 16 interleaved rows, with their own qtype ids (R16_TYPES). Every entry point takes them:
+matrix-vector by quants_rtr's kernel (always integer dots), decode for BLAS, get_rows and
+mul_mat_plain by its decoder. Work items then hold whole groups (multiples of 16 rows).
+
 Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool.
 """
 import os
@@ -29,6 +34,8 @@ from numba import njit, prange
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_0, Q4_1, Q8_0
 from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x
+from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
+                         dequant_rows_r16, dot_rows_r16)
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
 # (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
@@ -50,45 +57,50 @@ INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "1") == "1"
 
 
 def is_supported(qtype):
-    return int(qtype) in TYPES
+    return int(qtype) in TYPES or int(qtype) in BASE
 
 
 def row_size(qtype, K):
     """Bytes of one row of K values of type qtype."""
-    block, size = TYPES[int(qtype)]
+    block, size = TYPES[BASE.get(int(qtype), int(qtype))]
     return K // block * size
 
 
 def row_values(qtype, row_bytes):
     """Values K in one row of row_bytes bytes of type qtype."""
-    block, size = TYPES[int(qtype)]
+    block, size = TYPES[BASE.get(int(qtype), int(qtype))]
     return row_bytes // size * block
 
 
 def _int8(qtype):
-    return INT8_DOT and qtype in INT8_TYPES
+    """Integer dots: the block types with INT8_DOT on; repacked weights always."""
+    return qtype in BASE or (INT8_DOT and qtype in INT8_TYPES)
 
 
 # ---------------------------------------------------------------- per-token x extras
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
 # for Q4_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 the (xd, xs) pairs xds [N, 2B]
-# (quants_int8.prepare_blocks). The unused ones are empty.
+# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 followed by block biases [N, B].
+# The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")
 def _prepare_x(x, int8, qtype):
     N, K = x.shape
     B = K // 32
+    repacked = qtype in R16_TYPES
+    qt = base_of(qtype) if repacked else qtype
     xsum = np.zeros((N, 0 if int8 else B), np.float32)
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
-    xb = np.empty((N, K // 4 if int8 and (qtype == Q4_0 or qtype == Q8_0) else 0), np.int32)
-    xds = np.empty((N, 2 * B if int8 and qtype == Q4_1 else 0), np.float32)
+    nb = K // 4 + (B if repacked else 0) if int8 and (qt == Q4_0 or qt == Q8_0) else 0
+    xb = np.empty((N, nb), np.int32)
+    xds = np.empty((N, 2 * B if int8 and qt == Q4_1 else 0), np.float32)
     for n in range(N):
         if int8:
             quantize_x(xq[n], xd[n], xs[n], x[n])
-            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qtype)
+            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
         else:
             for b in range(B):
                 for i in range(32):
@@ -99,11 +111,32 @@ def _prepare_x(x, int8, qtype):
 @njit(cache=True, error_model="numpy", inline="always")
 def _dot_rows(qtype, out, w, x, n, xsum, xi, int8):
     """out [R] <- dequant(w [R, row_bytes]) @ x[n], by the path _prepare_x prepared for."""
-    if int8:
+    if qtype in R16_TYPES:
+        xq, xd, xs, xb, xds = xi
+        dot_rows_r16(qtype, out, w, xq[n], xd[n], xs[n], xb[n], xds[n])
+    elif int8:
         xq, xd, xs, xb, xds = xi
         dot_rows_i8(qtype, out, w, xq[n], xd[n], xs[n], xb[n], xds[n])
     else:
         dot_rows(qtype, out, w, x[n], xsum[n])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _decode_rows(qtype, out, w):
+    """out [R, K] f32 <- w [R, row_bytes] (repacked: w's first row starts a group)."""
+    if qtype in R16_TYPES:
+        dequant_rows_r16(qtype, out, w)
+    else:
+        dequant_rows(qtype, out, w)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _decode_row(qtype, out, w, r):
+    """out [1, K] f32 <- row r of the whole matrix w [M, row_bytes]."""
+    if qtype in R16_TYPES:
+        dequant_row_r16(qtype, out[0], w, r)
+    else:
+        dequant_rows(qtype, out, w[r:r + 1])
 
 
 # ---------------------------------------------------------------- mul_mat, plain loops
@@ -115,7 +148,7 @@ def mul_mat_plain(out, w, x, qtype):
     T, K = x.shape
     for r in prange(w.shape[0]):
         v = np.empty((1, K), np.float32)
-        dequant_rows(qtype, v, w[r:r + 1])
+        _decode_row(qtype, v, w, r)
         for t in range(T):
             s = np.float32(0)
             for k in range(K):
@@ -128,15 +161,16 @@ def mul_mat_plain(out, w, x, qtype):
 # ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
 # ITEM_BYTES). Parallel over runs.
 
-def item_rows(M, row_bytes, n_tokens):
+def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items come in whole rounds of the threads."""
+    such that the items come in whole rounds of the threads (repacked: whole groups)."""
+    unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
-        return ITEM_ROWS
+        return ITEM_ROWS            # a multiple of GROUP
     nt = numba.get_num_threads()
     n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
-    return max(2, rows + rows % 2)
+    return max(unit, (rows + unit - 1) // unit * unit)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -158,19 +192,19 @@ def _dequant_rows(out, w, qtype):
     M = w.shape[0]
     for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
         r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
-        dequant_rows(qtype, out[r0:r1], w[r0:r1])
+        _decode_rows(qtype, out[r0:r1], w[r0:r1])
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _get_rows(out, w, ids, qtype):
     for t in prange(ids.shape[0]):
-        dequant_rows(qtype, out[t:t + 1], w[ids[t]:ids[t] + 1])
+        _decode_row(qtype, out[t:t + 1], w, ids[t])
 
 
 def _mul_mat_blas(out, w, x, qtype):
     """out [T, M] = x @ dequant(w)^T, a tile of rows at a time: decode (Numba), matmul (BLAS)."""
     M, K = w.shape[0], x.shape[1]
-    rows = max(16, TILE_BYTES // (4 * K))
+    rows = max(16, TILE_BYTES // (4 * K) // 16 * 16)     # whole groups of repacked rows
     if rows >= M:  # one tile: BLAS writes straight into out
         tile = np.empty((M, K), np.float32)
         _dequant_rows(tile, w, qtype)
@@ -186,7 +220,7 @@ def _mul_mat_blas(out, w, x, qtype):
 def mul_mat(out, w, x, qtype):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T."""
     if x.shape[0] < BLAS_MIN_T:
-        _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0]))
+        _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
     else:
         _mul_mat_blas(out, w, x, qtype)
 
@@ -245,7 +279,7 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step):
 def mul_mat_id(out, w, x, ids, qtype):
     """out [T, A, M] = per-token expert products; see the comment above _mul_mat_id_vec."""
     if ids.shape[0] < BLAS_MIN_T:  # generation: every chosen expert by matrix-vector
-        step = item_rows(w.shape[1], w.shape[2], ids.shape[0])
+        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
         _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step)
         return
     T, X, K = x.shape
@@ -270,8 +304,11 @@ def get_rows(out, w, ids, qtype):
 
 def dequantize(w, qtype):
     """w [..., row_bytes] -> float32 [..., K]."""
-    rows = w.reshape(-1, w.shape[-1])
     K = row_values(qtype, w.shape[-1])
+    if int(qtype) in BASE and w.ndim > 2:     # repacked: groups restart in every matrix
+        mats = w.reshape((-1,) + w.shape[-2:])
+        return np.stack([dequantize(m, qtype) for m in mats]).reshape(w.shape[:-1] + (K,))
+    rows = w.reshape(-1, w.shape[-1])
     out = np.empty((rows.shape[0], K), np.float32)
     _dequant_rows(out, rows, int(qtype))
     return out.reshape(w.shape[:-1] + (K,))

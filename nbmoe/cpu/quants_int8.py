@@ -292,12 +292,17 @@ def quantize_x(xq, xd, xs, x):
 @njit(cache=True, error_model="numpy")
 def prepare_blocks(xb, xds, xq, xd, xs, qtype):
     """The x extras of acc_blocks: xb [K / 4] int32 = -bias * (sum of xq[4k:4k + 4]) with the
-    bias of the stored codes (Q4_0: 8, Q8_0: 128); xds [2B] = (xd, xs) pairs (Q4_1)."""
+    bias of the stored codes (Q4_0: 8, Q8_0: 128), where xb is longer followed by [B] block
+    sums of those (quants_rtr); xds [2B] = (xd, xs) pairs (Q4_1)."""
     if qtype == Q4_0 or qtype == Q8_0:
         bias = np.int32(8 if qtype == Q4_0 else 128)
-        for k in range(xb.shape[0]):
+        n = xq.shape[0] // 4
+        for k in range(n):
             xb[k] = -bias * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
                              + np.int32(xq[4 * k + 3]))
+        for b in range(xb.shape[0] - n):   # the repacked kernels' block biases (quants_rtr)
+            xb[n + b] = xb[8 * b] + xb[8 * b + 1] + xb[8 * b + 2] + xb[8 * b + 3] + xb[8 * b + 4] \
+                + xb[8 * b + 5] + xb[8 * b + 6] + xb[8 * b + 7]
     elif qtype == Q4_1:
         for b in range(xd.shape[0]):
             xds[2 * b], xds[2 * b + 1] = xd[b], xs[b]

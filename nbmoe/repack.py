@@ -1,0 +1,39 @@
+"""-rtr: repack the CPU's Q4_0 / Q4_1 / Q8_0 matrices at load time (llama.cpp / ik_llama.cpp's
+run-time repacking), into the 16-row interleaved layout of cpu/quants_rtr.py.
+
+Which tensors: those placed in RAM (buffer type CPU), of those types, with at least 16 rows
+per matrix, that the graph only multiplies by (MUL_MAT / MUL_MAT_ID). Not repacked: tensors
+on a GPU (their copy there is what runs), and the embedding matrix, which GET_ROWS reads a row
+at a time (a tied output layer gets a repacked copy of its own under `output.weight`). Weights
+that a GPU offloads for large batches are uploaded from the GGUF bytes, as without -rtr.
+
+The copies live in anonymous memory; the mmap'd pages they were made from are dropped
+(madvise DONTNEED: the kernel may reclaim them, and re-reads the file if they are touched again).
+"""
+import time
+
+from .cpu.quants_rtr import GROUP, R16, repack_tensor
+from .memory import check_memory
+
+GET_ROWS_WEIGHTS = ("token_embd.weight",)
+
+
+def repackable(name, t, buftype):
+    return (buftype == "CPU" and int(t.ggml_type) in R16 and name not in GET_ROWS_WEIGHTS
+            and len(t.ne) >= 2 and t.ne[1] >= GROUP)
+
+
+def repack_weights(gguf, weights, placement):
+    """({name: (repacked array, qtype)}, stats) for the repackable tensors of `weights`."""
+    t0 = time.perf_counter()
+    names = [n for n, t in weights.items() if repackable(n, t, placement[n][0])]
+    check_memory(sum(weights[n].n_bytes for n in names), "the repacked weights (-rtr)")
+    out = {}
+    shared = {id(weights[n]) for n in GET_ROWS_WEIGHTS if n in weights}
+    for name in names:
+        t = weights[name]
+        out[name] = repack_tensor(t.data, t.ggml_type)
+        if id(t) not in shared:   # a tied embedding's pages stay: GET_ROWS reads them
+            gguf.drop_pages(t.offset, t.n_bytes)
+    return out, dict(tensors=len(out), bytes=sum(a.nbytes for a, _ in out.values()),
+                     seconds=time.perf_counter() - t0)
