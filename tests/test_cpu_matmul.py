@@ -259,6 +259,15 @@ def test_item_rows(monkeypatch):
     assert matmul.item_rows(3, 360, 1) == 2
 
 
+def run_without_vnni(code):
+    """Run `code` in a fresh interpreter with NBMOE_NO_VNNI=1 (the choice is made at import);
+    it must print 'ok'."""
+    env = dict(os.environ, NBMOE_NO_VNNI="1")
+    env.pop("NUMBA_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_int8_generic_dot():
     """The portable dot4 (NBMOE_NO_VNNI=1: widen, multiply, add pairs) gives the same sums."""
     code = (
@@ -277,10 +286,7 @@ def test_int8_generic_dot():
         "    ref = x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
         "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
         "print('ok')\n")
-    env = dict(os.environ, NBMOE_NO_VNNI="1")
-    env.pop("NUMBA_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    run_without_vnni(code)
 
 
 # ---------------------------------------------------------------- repacked layouts (-rtr)
@@ -376,7 +382,4 @@ def test_int8_generic_dot_rtr():
         "    matmul.mul_mat(ref, w, x, int(Q[name]))\n"
         "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), name\n"
         "print('ok')\n")
-    env = dict(os.environ, NBMOE_NO_VNNI="1")
-    env.pop("NUMBA_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    run_without_vnni(code)

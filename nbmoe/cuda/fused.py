@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, warp_sum
-from .matmul import MMV_WARPS, _cached, unit_dot_q8
+from .matmul import MMV_WARPS, _cached, pair_row, unit_dot_q8
 from .ops import _gelu, _silu
 from .quants import qtype_info
 
@@ -113,11 +113,7 @@ def _glu_kernel(qtype, experts):
                 A = ids.shape[1]
                 lane = cuda.threadIdx.x
                 r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-                p = cuda.blockIdx.y
-                t = p // A
-                a = p - t * A
-                base = (ids[t, a] * M + min(r, M - 1)) * RB
-                xr = t * X + (a if X == A else 0)
+                t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
                 g = warp_sum(row_dot(wg, base, xq, xds, xr, K, lane))
                 u = warp_sum(row_dot(wu, base, xq, xds, xr, K, lane))
                 if lane == 0 and r < M:

@@ -288,6 +288,15 @@ def _mmv_q8_kernel(qtype, NT, S=1):
     return _cached(("mmv_q8", int(qtype), NT, S, MMV_WARPS), build)
 
 
+@device_fn
+def pair_row(ids, p, r, M, A, X, RB):
+    """Pair p = t * A + a of a matrix-vector expert product, weight row r (clamped to M - 1):
+    (t, a, byte offset of the row of expert ids[t, a], x row t * X + (a if X == A else 0))."""
+    t = p // A
+    a = p - t * A
+    return t, a, (ids[t, a] * M + min(r, M - 1)) * RB, t * X + (a if X == A else 0)
+
+
 def _mmv_id_q8_kernel(qtype):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
@@ -299,11 +308,7 @@ def _mmv_id_q8_kernel(qtype):
             A = ids.shape[1]
             lane = cuda.threadIdx.x
             r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-            p = cuda.blockIdx.y
-            t = p // A
-            a = p - t * A
-            base = (ids[t, a] * M + min(r, M - 1)) * RB
-            xr = t * X + (a if X == A else 0)
+            t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
             acc = f32(0.0)
             for n in range(lane, K >> 3, 32):
                 b = n >> 2
@@ -333,11 +338,8 @@ def _mmv_id_kernel(qtype):
             A = ids.shape[1]
             lane = cuda.threadIdx.x
             r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-            p = cuda.blockIdx.y
-            t = p // A
-            a = p - t * A
-            base = (ids[t, a] * M + min(r, M - 1)) * RB
-            xb = (t * X + (a if X == A else 0)) * K * 4
+            t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
+            xb = xr * K * 4
             acc = f32(0.0)
             for n in range(lane, (K + 7) // 8, 32):
                 b = n >> 2
@@ -361,6 +363,34 @@ def _mmv_id_kernel(qtype):
 # Block: (TM / RM) * (TT / RT) threads; thread (tr, tc) owns rows tr + i * TM / RM (i < RM),
 # so a warp reads 32 different shared-memory rows of stride 33 (no bank conflicts), and
 # slots tc * RT + j (one value a warp: a broadcast). K must be a multiple of 32.
+
+@device_fn
+def tile_slots(xrow, orow, order, tiles, by, tid, nth, TT, T, M, A, X, gather):
+    """The token slots of tile row `by` (the block's threads tid of nth fill them): xrow[j] the
+    x row of slot j, orow[j] its output row (t, or the pair p = t * A + a), -1 past the tile's
+    slots. Returns (rbase, slots): the first weight row of the tile's expert (0 when plain)
+    and its slots. Gathered: the tile (expert, first pair, pairs) of `tiles`, the caller
+    having checked by < tiles[0]."""
+    if gather:
+        k3 = 3 * by + 1
+        first = tiles[k3 + 1]
+        cnt = tiles[k3 + 2]
+        for j in range(tid, TT, nth):
+            if j < cnt:
+                p = order[first + j]
+                t = p // A
+                xrow[j] = t * X + (p - t * A if X == A else 0)
+                orow[j] = p
+            else:
+                xrow[j] = -1
+                orow[j] = -1
+        return tiles[k3] * M, cnt
+    for j in range(tid, TT, nth):
+        t = by * TT + j
+        xrow[j] = t if t < T else -1
+        orow[j] = xrow[j]
+    return 0, min(TT, T - by * TT)
+
 
 @device_fn
 def _store_token(out, o, A, r, v):
@@ -391,28 +421,10 @@ def _tiled_kernel(qtype, TM, TT, RM, RT, gather):
             orow = cuda.shared.array(TT, i32)
             tid = cuda.threadIdx.x
             r0 = cuda.blockIdx.x * TM
-            rbase = 0
-            if gather:
-                if cuda.blockIdx.y >= tiles[0]:
-                    return                           # the whole block: beyond the tile table
-                k3 = 3 * cuda.blockIdx.y + 1
-                rbase = tiles[k3] * M
-                first = tiles[k3 + 1]
-                cnt = tiles[k3 + 2]
-                for j in range(tid, TT, NTH):
-                    if j < cnt:
-                        p = order[first + j]
-                        t = p // A
-                        xrow[j] = t * X + (p - t * A if X == A else 0)
-                        orow[j] = p
-                    else:
-                        xrow[j] = -1
-                        orow[j] = -1
-            else:
-                for j in range(tid, TT, NTH):
-                    t = cuda.blockIdx.y * TT + j
-                    xrow[j] = t if t < T else -1
-                    orow[j] = xrow[j]
+            if gather and cuda.blockIdx.y >= tiles[0]:
+                return                               # the whole block: beyond the tile table
+            rbase, _ = tile_slots(xrow, orow, order, tiles, cuda.blockIdx.y, tid, NTH, TT, T, M,
+                                  A, X, gather)
             tr = tid % SR
             tc = tid // SR
             acc = cuda.local.array(ACC, f32)

@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32
-from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, unit_words
+from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, tile_slots, unit_words
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
 from .quants_iq4 import IQ4_NL, IQ4_XS, MXFP4
@@ -114,29 +114,10 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
             orow = cuda.shared.array(TT, i32)
             tid = cuda.threadIdx.x
             r0 = cuda.blockIdx.x * TM
-            rbase = 0
-            if gather:
-                if cuda.blockIdx.y >= tiles[0]:
-                    return                           # the whole block: beyond the tile table
-                k3 = 3 * cuda.blockIdx.y + 1
-                rbase = tiles[k3] * M
-                first = tiles[k3 + 1]
-                nslots = tiles[k3 + 2]
-                for j in range(tid, TT, NTH):
-                    if j < nslots:
-                        p = order[first + j]
-                        t = p // A
-                        xrow[j] = t * X + (p - t * A if X == A else 0)
-                        orow[j] = p
-                    else:
-                        xrow[j] = -1
-                        orow[j] = -1
-            else:
-                nslots = min(TT, T - cuda.blockIdx.y * TT)
-                for j in range(tid, TT, NTH):
-                    t = cuda.blockIdx.y * TT + j
-                    xrow[j] = t if t < T else -1
-                    orow[j] = xrow[j]
+            if gather and cuda.blockIdx.y >= tiles[0]:
+                return                               # the whole block: beyond the tile table
+            rbase, nslots = tile_slots(xrow, orow, order, tiles, cuda.blockIdx.y, tid, NTH, TT, T,
+                                       M, A, X, gather)
             lane = tid & 31
             warp = tid >> 5
             g = lane >> 2
