@@ -19,8 +19,8 @@ step() {   # name, seconds, command...
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for s in $steps; do case $s in
-  tests) NBMOE_REAL_GPU=1 step tests 400 python -m pytest -q -x tests/test_cuda_kernels.py \
-             tests/test_cuda_kquants.py tests/test_hybrid.py ;;
+  tests) NBMOE_REAL_GPU=1 step tests 500 python -m pytest -q -x tests/test_cuda_kernels.py \
+             tests/test_cuda_kquants.py tests/test_cuda_mma.py tests/test_cuda_flash.py tests/test_hybrid.py ;;
   hybrid-tests) NBMOE_REAL_GPU=1 step hybrid-tests 300 python -m pytest -q -x tests/test_hybrid.py ;;
   tg-ab) # decode with and without the fused groups (NBMOE_NO_FUSE=1), all on GPU and hybrid
          step tg-gpu 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2 --timings
