@@ -7,6 +7,11 @@ uploaded (their ids come to the host first, a few bytes). Uploads read from pinn
 copies made on first use (PCIe runs ~5x faster from pinned than from pageable memory, and
 the mmap'd file is pageable), so offloading costs RAM for those copies; NBMOE_NO_PIN=1
 uploads straight from the mmap instead.
+
+Several GPUs: numba-cuda allocates, launches and copies in the calling thread's current CUDA
+context, so a backend makes its GPU's context current (`activate`) before it allocates or
+binds, and the scheduler does so before each step of a plan that uses several GPUs. Host
+buffers are then pinned for every context (portable), since any GPU may copy through them.
 """
 import functools
 import inspect
@@ -16,6 +21,14 @@ import numpy as np
 
 from .backend import Backend, _act, _labelled, _rows2d
 from .errors import NbmoeError
+
+
+def _device_index(name):
+    """CUDA3 -> 3 (the tests that fake a second GPU in the simulator replace this)."""
+    return int(name[4:])
+
+
+_current_device = [None]    # the device whose context an `activate` made current last
 
 
 def device_names():
@@ -115,11 +128,15 @@ class CUDABackend(Backend):
         super().__init__(tensors)
         from numba import cuda
 
-        from .cuda import attention, fused, graphs, matmul, moe, ops
+        from .cuda import SIM, attention, fused, graphs, matmul, moe, ops
+        self.sim = SIM
         self.cuda, self.name, self.graphs = cuda, name, graphs
-        self.device = int(name[4:])
+        self.device = _device_index(name)
         self.max_vec_t = matmul.MMV_MAX_T
         cuda.select_device(self.device)
+        self.context = cuda.current_context()
+        _current_device[0] = self.device
+        self.portable = not self.sim and len(cuda.gpus) > 1
         # One stream per GPU, blocking: copies on the default stream stay ordered with it.
         self.stream = cuda.stream()
         self.mm, self.ops, self.attn, self.moe, self.fused = (
@@ -143,8 +160,21 @@ class CUDABackend(Backend):
         from .cpu.matmul import dequantize
         return np.ascontiguousarray(dequantize(t.data.reshape(1, -1), int(t.ggml_type)).reshape(-1))
 
+    def activate(self):
+        """Make this GPU's context the thread's current one (a no-op while it is)."""
+        if _current_device[0] != self.device:
+            if not self.sim:
+                from numba.cuda.cudadrv.driver import driver
+                driver.cuCtxSetCurrent(self.context.handle)
+            _current_device[0] = self.device
+
+    def prepare(self, graph):
+        self.activate()
+        super().prepare(graph)
+
     # -- memory ---------------------------------------------------------------------------
     def alloc(self, shape, dtype):
+        self.activate()
         try:
             return self.cuda.device_array(shape, dtype)
         except Exception as e:   # CUDA_ERROR_OUT_OF_MEMORY and friends
@@ -152,9 +182,11 @@ class CUDABackend(Backend):
 
     def copy_in(self, dst, src):
         """dst (here) <- src (a host array or a device array, possibly of another GPU)."""
+        self.activate()
         dst.copy_to_device(src)
 
     def synchronize(self):
+        self.activate()
         self.cuda.synchronize()
 
     def graph_run(self, steps, labels=()):
@@ -164,9 +196,18 @@ class CUDABackend(Backend):
 
     def pinned_alloc(self, shape, dtype):
         """A page-locked host array (decode plans' host buffers: async, recordable copies)."""
-        a = self.cuda.pinned_array(shape, dtype)
+        a = self._pinned(shape, dtype)
         a[...] = 0
         return a
+
+    def _pinned(self, shape, dtype):
+        self.activate()
+        if not self.portable:
+            return self.cuda.pinned_array(shape, dtype)
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        buf = self.cuda.current_context().memhostalloc(max(n, 1), portable=True)
+        return np.ndarray(shape, dtype, buffer=buf)
 
     def copy_async(self, dst, src):
         """A step copying between a pinned host array and this GPU, on this GPU's stream."""
@@ -184,6 +225,7 @@ class CUDABackend(Backend):
         return self.resident[name], int(self.tensors[name].ggml_type)
 
     def vector(self, name):
+        self.activate()
         if name not in self.vectors:
             self.vectors[name] = self.cuda.to_device(self._f32(self.tensors[name]))
         return self.vectors[name]
@@ -194,7 +236,7 @@ class CUDABackend(Backend):
         if not self.pin:
             return t.data
         if name not in self.pinned:
-            p = self.cuda.pinned_array(t.data.shape, np.uint8)
+            p = self._pinned(t.data.shape, np.uint8)
             np.copyto(p, t.data)
             self.pinned[name] = p
         return self.pinned[name]
@@ -227,6 +269,7 @@ class CUDABackend(Backend):
         return self.mm.quantizes_x(int(t.ggml_type), n_tokens, int(t.ne[0]))
 
     def bind(self, node, buf, state):
+        self.activate()
         self._prev, self._last = self._last, None
         group = self._groups.get(id(node))
         if group is not None and node is not group[1][0]:

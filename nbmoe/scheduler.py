@@ -179,6 +179,7 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
             for name, be in backends.items()}
     valid = {name: {"CPU"} for name in graph.inputs}
     steps, labels, copies = [], [], []
+    runs_on = []             # per step: the backend that executes it
     record_on = {}           # step index -> the GPU whose graph may hold it (graph mode)
 
     def ensure(name, where):
@@ -194,6 +195,7 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         else:
             dst_be = backends[where]
             steps.append(lambda: dst_be.copy_in(d_arr, s_arr))
+        runs_on.append(src if where == "CPU" else where)
         labels.append((where, "COPY"))
         copies.append(Copy(name, src, where, int(s_arr.nbytes)))
         valid[name].add(where)
@@ -211,26 +213,30 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         if graph_mode and node.backend != "CPU" and node.cause != "off":
             record_on[len(steps)] = node.backend
         steps.append(step)
+        runs_on.append(node.backend)
         labels.append((node.backend, getattr(step, "label", node.op)))
     if "logits" in valid:
         ensure("logits", "CPU")
     if graph_mode:
-        steps, labels = _graph_runs(steps, labels, record_on, backends)
+        steps, labels, runs_on = _graph_runs(steps, labels, runs_on, record_on, backends)
+    if len(gpus) > 1:
+        steps = [step if be == "CPU" else _OnGPU(step, backends[be]) for step, be in zip(steps, runs_on)]
     host = {name: bufs["CPU"][name] for name in graph.inputs}
     if "logits" in valid:
         host["logits"] = bufs["CPU"]["logits"]
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
 
 
-def _graph_runs(steps, labels, record_on, backends):
+def _graph_runs(steps, labels, runs_on, record_on, backends):
     """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
     waits for its GPU at the end: the host reads or rewrites the pinned buffers next)."""
-    out_steps, out_labels, i = [], [], 0
+    out_steps, out_labels, out_on, i = [], [], [], 0
     while i < len(steps):
         gpu = record_on.get(i)
         if gpu is None:
             out_steps.append(steps[i])
             out_labels.append(labels[i])
+            out_on.append(runs_on[i])
             i += 1
             continue
         j = i
@@ -238,8 +244,27 @@ def _graph_runs(steps, labels, record_on, backends):
             j += 1
         out_steps.append(backends[gpu].graph_run(steps[i:j], labels[i:j]))
         out_labels.append((gpu, "GRAPH"))
+        out_on.append(gpu)
         i = j
-    return out_steps, out_labels
+    return out_steps, out_labels, out_on
+
+
+class _OnGPU:
+    """A step of a plan that uses several GPUs: its GPU's context is made current first
+    (numba-cuda launches and copies in the current context)."""
+
+    def __init__(self, step, backend):
+        self.step, self.backend = step, backend
+        if hasattr(step, "run_timed"):
+            self.run_timed = self._run_timed
+
+    def __call__(self):
+        self.backend.activate()
+        self.step()
+
+    def _run_timed(self, acc):
+        self.backend.activate()
+        self.step.run_timed(acc)
 
 
 class TimingTable(defaultdict):

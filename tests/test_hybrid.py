@@ -67,6 +67,38 @@ def test_hybrid_equals_cpu(model, placement):
         tok = int(nxt[-1].argmax())
 
 
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """CUDA0 and CUDA1: the real ones where the machine has two GPUs, else two backends that
+    share the one GPU (or the simulator's), which still runs every cross-GPU step: the
+    context switches, the copies between the backends' buffers, per-GPU graphs."""
+    from numba import cuda
+
+    from nbmoe import backend_cuda
+    if cuda_setup.SIM or len(cuda.gpus) < 2:
+        monkeypatch.setattr(backend_cuda, "device_names", lambda: ["CUDA0", "CUDA1"])
+        monkeypatch.setattr(backend_cuda, "_device_index", lambda name: 0)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(n_gpu_layers=99, override_tensors=["exps=CUDA1"]),         # experts on the second GPU
+    pytest.param(dict(n_gpu_layers=99, override_tensors=[r"blk\.1\.=CUDA1"]),  # a layer each
+                 marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: one case in the simulator")),
+    pytest.param(dict(n_gpu_layers=99, override_tensors=["exps=CPU", r"blk\.1\.=CUDA1"]),
+                 marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: one case in the simulator")),
+])
+def test_two_gpus_equal_cpu(model, two_gpus, placement):
+    llm = load(model, **placement)
+    assert {"CUDA0", "CUDA1"} <= set(llm.backends)
+    assert close(llm.eval(PROMPT), cpu_logits(model, PROMPT))
+    plan = llm.plan(1, 1)
+    assert any("CUDA1" in (c.src, c.dst) for c in plan.copies)
+    ref = nbmoe.load(model, n_ctx=64, threads=2)
+    ref.eval(PROMPT)
+    for tok in (5,) if cuda_setup.SIM else (5, 9, 11):   # real GPUs: graphs from the 2nd step
+        assert close(llm.eval([tok]), ref.eval([tok]))
+
+
 def test_experts_stay_on_cpu_for_small_batches(model):
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
     plan = llm.plan(4, 1)
