@@ -13,6 +13,7 @@ context, so a backend makes its GPU's context current (`activate`) before it all
 binds, and the scheduler does so before each step of a plan that uses several GPUs. Host
 buffers are then pinned for every context (portable), since any GPU may copy through them.
 """
+import atexit
 import functools
 import inspect
 import os
@@ -29,6 +30,20 @@ def _device_index(name):
 
 
 _current_device = [None]    # the device whose context an `activate` made current last
+_contexts_at_exit = []
+
+
+def _skip_frees_at_exit():
+    """With several GPUs, numba-cuda's exit-time finalizers crashed the process (a segfault or
+    glibc's "double free" in cuLibraryUnload, 2 x H200): its deferred frees are switched off
+    at exit instead; the driver releases every context's memory when the process ends."""
+    for ctx in _contexts_at_exit:
+        held = ctx.deallocations.disable()      # a generator context: kept, never exited
+        held.__enter__()
+        _held_at_exit.append(held)
+
+
+_held_at_exit = []
 
 
 def device_names():
@@ -137,6 +152,10 @@ class CUDABackend(Backend):
         self.context = cuda.current_context()
         _current_device[0] = self.device
         self.portable = not self.sim and len(cuda.gpus) > 1
+        if self.portable:
+            if not _contexts_at_exit:
+                atexit.register(_skip_frees_at_exit)   # runs before numba-cuda's finalizers
+            _contexts_at_exit.append(self.context)
         # One stream per GPU, blocking: copies on the default stream stay ordered with it.
         self.stream = cuda.stream()
         self.mm, self.ops, self.attn, self.moe, self.fused = (

@@ -7,7 +7,8 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
   off  the weight lives in RAM but the batch is large enough that copying the weight to a
        GPU and computing there wins (OffloadPolicy)
   inp  no weight: it runs where most of its input bytes already are (ties go to a GPU, where
-       the next weighted op usually is), so the fewest bytes cross between backends
+       the next weighted op usually is, then to the backend that made an input last: the
+       residual add after a layer split follows the new GPU), so the fewest bytes cross
   def  nothing to follow (graph inputs only): the CPU
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
 the scheduler tracks on which backends each buffer's current value is; a node that reads a
@@ -120,8 +121,8 @@ class Plan:
 
 def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cache_backend=None):
     """Set node.backend and node.cause for every node (see the module docstring)."""
-    producer = {}
-    for node in graph.nodes:
+    producer, made_at = {}, {}
+    for i, node in enumerate(graph.nodes):
         if node.op == "ATTN" and cache_backend is not None:
             node.backend, node.cause = cache_backend(node.params["layer"]), "kv"
         elif node.weight is not None:
@@ -130,18 +131,19 @@ def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cach
                     and policy.offload(node, graph.n_tokens, cfg)):
                 node.backend, node.cause = gpu, "off"
         else:
-            on = defaultdict(int)
+            on, latest = defaultdict(int), {}
             for s in node.srcs:
                 if s in producer:
                     b = graph.buffers[s]
                     on[producer[s]] += int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize
+                    latest[producer[s]] = max(latest.get(producer[s], -1), made_at[s])
             if on:
-                node.backend = max(on, key=lambda be: (on[be], be != "CPU"))
+                node.backend = max(on, key=lambda be: (on[be], be != "CPU", latest[be]))
                 node.cause = "inp"
             else:
                 node.backend, node.cause = "CPU", "def"
         for out in node.outs:
-            producer[out] = node.backend
+            producer[out], made_at[out] = node.backend, i
 
 
 def make_splits(graph):

@@ -99,8 +99,19 @@ def test_two_gpus_equal_cpu(model, two_gpus, placement):
         assert close(llm.eval([tok]), ref.eval([tok]))
 
 
+def test_two_gpus_split_once(model, two_gpus):
+    """Layer 0 on CUDA0, layer 1 on CUDA1: the residual stream crosses once, not per op."""
+    llm = load(model, n_gpu_layers=99, override_tensors=[r"blk\.1\.=CUDA1"])
+    for T in (1, 4):
+        plan = llm.plan(T, 1)
+        assert [s.backend for s in plan.splits] == ["CPU", "CUDA0", "CUDA1"] + (["CPU"] if KEEP_OUTPUT else [])
+        assert [(c.src, c.dst) for c in plan.copies if c.buffer == "x"] == (
+            [("CPU", "CUDA0"), ("CUDA0", "CUDA1")] + ([("CUDA1", "CPU")] if KEEP_OUTPUT else []))
+
+
 def test_experts_stay_on_cpu_for_small_batches(model):
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    one_gpu = [r"^blk\.=CUDA0"] + ([] if KEEP_OUTPUT else ["^output=CUDA0"])   # of several too
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"] + one_gpu)
     plan = llm.plan(4, 1)
     ids_nodes = [n for n in plan.graph.nodes if n.op == "MUL_MAT_ID"]
     assert ids_nodes and all(n.backend == "CPU" and n.cause == "wgt" for n in ids_nodes)
