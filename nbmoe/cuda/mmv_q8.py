@@ -32,7 +32,8 @@ f32 = np.float32
 # Units (8 values) a lane takes per chunk, per type: 1, 2 or 4 (a whole 32-block). Types whose
 # scale d is one per 32-block may take more than 1 (their units' integer sums are added first).
 CHUNK_UNITS = {Q8_0: 2, Q4_0: 2, Q4_1: 2, Q5_0: 2, Q5_1: 2}
-# Chunks a lane has in flight per row and step, at most (tools/cuda_mmv_check.py sweeps it).
+FOLD_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)    # decoders that use block b only as its offset
+# Chunks a lane has in flight per row and step, at most (<= 8; tools/cuda_mmv_check.py sweeps it).
 MMV_CHUNKS = 4
 
 
@@ -58,43 +59,67 @@ def row_dot_fn(qtype, V, NT=1, S=1, NW=1):
     CPB = 4 // UPC                         # chunks a block
     CSH = {1: 0, 2: 1, 4: 2}[CPB]
     FUPC = f32(UPC)
+    FOLD, SIZE = int(qtype) in FOLD_TYPES, t_.size
+    USTR, X1 = (4, 16) if split else (8, 4)   # bytes of x codes a unit, offset of its 2nd word
+    assert 1 <= V <= 8 and NW in (1, 2)
 
     @device_fn
     def chunk_dot(acc, isum, k0, w, base, xq, xds, xr0, xlast, b, u0, K, valid):
+        # Block b's offset goes into the 64-bit bases once (FOLD types: their decoders use b only
+        # as size * b), so the chunk's loads are at constant offsets (no 64-bit add a load).
+        wb, bb = (base + SIZE * b, 0) if FOLD else (base, b)
         for t in range(NT):
             isum[t] = 0
         d = f32(0.0)
         m4 = f32(0.0)
         for k in range(UPC):              # the block's units: one scale, integer sums added
-            c0, c1, d, m4 = idec(w, base, b, u0 + k)
-            x0, x1 = unit_words(b, u0 + k, split)
+            c0, c1, d, m4 = idec(w, wb, bb, u0 + k)
             for t in range(NT):
-                qb = min(xr0 + t, xlast) * K       # byte offset of x row in xq (K codes)
-                isum[t] = dp4a(c0, ld_i32(xq, qb, 4 * x0), dp4a(c1, ld_i32(xq, qb, 4 * x1), isum[t]))
+                qb = min(xr0 + t, xlast) * K + 32 * b + USTR * u0   # x codes of unit u0 in xq
+                isum[t] = dp4a(c0, ld_i32(xq, qb, USTR * k),
+                               dp4a(c1, ld_i32(xq, qb, USTR * k + X1), isum[t]))
         for t in range(NT):
-            db = min(xr0 + t, xlast) * (K // 4)    # byte offset of x row in xds (2 B floats)
-            v = ld_f32(xds, db, 8 * b) * (d * f32(isum[t])) + (m4 * FUPC) * ld_f32(xds, db, 8 * b + 4)
+            db = min(xr0 + t, xlast) * (K // 4) + 8 * b             # block b's (xd, xs) in xds
+            v = ld_f32(xds, db, 0) * (d * f32(isum[t])) + (m4 * FUPC) * ld_f32(xds, db, 4)
             if valid:
                 acc[k0 + t] += v
+
+    @device_fn
+    def chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c, nch, K):
+        cc = min(c, nch - 1)
+        b = cc >> CSH
+        u0 = (cc & (CPB - 1)) * UPC
+        chunk_dot(acc, isum, 0, w0, base, xq, xds, xr0, xlast, b, u0, K, c < nch)
+        if NW == 2:
+            chunk_dot(acc, isum, NT, w1, base, xq, xds, xr0, xlast, b, u0, K, c < nch)
 
     @device_fn
     def row_dot(acc, isum, w0, w1, base, xq, xds, xr0, xlast, K, lane, sl):
         nch = (K >> 5) * CPB
         for c0 in range(lane + 32 * V * sl, nch, 32 * V * S):
-            for j in range(V):
-                c = c0 + 32 * j
-                cc = min(c, nch - 1)
-                b = cc >> CSH
-                u0 = (cc & (CPB - 1)) * UPC
-                chunk_dot(acc, isum, 0, w0, base, xq, xds, xr0, xlast, b, u0, K, c < nch)
-                if NW == 2:
-                    chunk_dot(acc, isum, NT, w1, base, xq, xds, xr0, xlast, b, u0, K, c < nch)
+            # the V chunks of a step, unrolled by hand (NVVM keeps a range(V) loop a loop)
+            chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0, nch, K)
+            if V > 1:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 32, nch, K)
+            if V > 2:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 64, nch, K)
+            if V > 3:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 96, nch, K)
+            if V > 4:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 128, nch, K)
+            if V > 5:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 160, nch, K)
+            if V > 6:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 192, nch, K)
+            if V > 7:
+                chunk(acc, isum, w0, w1, base, xq, xds, xr0, xlast, c0 + 224, nch, K)
     return row_dot
 
 
 @device_fn
 def unit_words(b, u, split):
-    """Word indices in xq of the x columns of unit u of block b (quants.unit_cols)."""
+    """Word indices in xq of the x columns of unit u of block b (quants.unit_cols; row_dot has
+    them as byte offsets: 32 b + USTR u and + X1)."""
     if split:
         return 8 * b + u, 8 * b + 4 + u
     return 8 * b + 2 * u, 8 * b + 2 * u + 1
