@@ -333,7 +333,7 @@ def main():
     a = ap.parse_args()
     name = getattr(cuda.get_current_device(), "name", "CUDA simulator")
     print(f"{name.decode() if isinstance(name, bytes) else name}, CUDA graphs "
-          f"{'on' if GRAPHS else 'OFF (NBMOE_NO_GRAPHS): times include host launch gaps'}", flush=True)
+          f"{'on' if GRAPHS else 'OFF (simulator or NBMOE_NO_GRAPHS=1): times include host launch gaps'}", flush=True)
     big = cuda.device_array(1 << (10 if a.tiny else 28), np.float32)
     big2 = cuda.device_array(big.size, np.float32)
     big2.copy_to_device(big)

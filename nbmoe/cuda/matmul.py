@@ -17,7 +17,8 @@ Kernels, chosen per call by the number of tokens T sharing a weight matrix:
       l, l + 32, ... of the row (a warp reads contiguous bytes), dots each with the NT tokens'
       x while in registers, and the warp sums its lanes by shuffles. Weights are read once.
       Block types (INT8_DOT): x is first quantized to 8 bits per 32-block (quantize_x_kernel,
-      a second launch) and a unit costs two dp4a; float types dot in float32.
+      a second launch) and a unit costs two dp4a; a lane then takes V chunks of 1 to 4 units
+      per step with all their loads in flight (mmv_q8.py); float types dot in float32.
   tiled (prompts)  a block computes a TILE_M x TILE_T tile of out: per 32-value step it decodes
       TILE_M rows' block into shared memory (one unit per thread) next to TILE_T tokens' x,
       then each thread accumulates an RM x RT piece from shared memory. Block types with
