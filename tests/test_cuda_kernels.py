@@ -163,6 +163,45 @@ def test_mul_mat_vec_split_k(name, int8, T, small, monkeypatch):
     check_x8(f"mul_mat vec split-K {name} T={T}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, int8)
 
 
+@pytest.mark.parametrize("name,upc", [("Q4_0", 2), ("Q8_0", 4), ("Q5_0", 1)])
+def test_mmv_chunks_in_flight(name, upc, small, monkeypatch):
+    """Rows of 17 blocks: several chunks a lane a step (V > 1), the step's last chunks past the
+    row (not added); the fused gate/up and down kernels equal the separate launches bit for bit."""
+    from nbmoe.cuda import fused, mmv_q8
+    monkeypatch.setitem(mmv_q8.CHUNK_UNITS, int(Q[name]), upc)
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    qt, E, M, K, A = int(Q[name]), 3, 3, 17 * 32, 2
+    assert mmv_q8.chunks_in_flight(qt, K) == -(-17 * 4 // upc // 32) > 1 or upc == 4
+    w, wref = quantize(rnd(E, M, K, seed=14), name)
+    wu, wuref = quantize(rnd(E, M, K, seed=15), name)
+    x = rnd(2, K, seed=16)
+    out = poisoned((2, M))
+    matmul.mul_mat(out, dev(w[0]), dev(x), qt)
+    check_x8(f"mmv chunks {name} upc={upc}", out.copy_to_host(), x, lambda x_: x_ @ wref[0].T, True)
+    ids, dw, dwu = dev(np.array([[2, 0]], np.int32)), dev(w), dev(wu)
+    x1 = dev(x[:1].reshape(1, 1, K))
+    g, u = poisoned((1, A, M)), poisoned((1, A, M))
+    matmul.mul_mat_id(g, dw, x1, ids, qt)
+    matmul.mul_mat_id(u, dwu, x1, ids, qt)
+    check_x8(f"mmv chunks id {name} upc={upc}", g.copy_to_host(), x[:1].reshape(1, 1, K),
+             lambda x_: _mul_mat_id_ref(wref, x_, np.array([[2, 0]])), True)
+    want = poisoned((A, M))
+    ops.swiglu(want, g.reshape(A, M), u.reshape(A, M))
+    got = poisoned((1, A, M))
+    xq, xds = matmul._quantize_x(x1, 1, K, 0)
+    fused.glu_id_q8(got, dw, dwu, xq, xds, ids, 1, qt, K, fused.ACT_SILU)
+    assert np.array_equal(got.copy_to_host().reshape(A, M), want.copy_to_host())
+    xa = dev(x.reshape(1, A, K))
+    wts = dev(np.array([[0.75, -0.5]], np.float32))
+    y, want = poisoned((1, A, M)), poisoned((1, M))
+    matmul.mul_mat_id(y, dw, xa, ids, qt)
+    moe.moe_combine(want, y, wts)
+    got = poisoned((1, M))
+    xq, xds = matmul._quantize_x(xa, A, K, 0)
+    fused.down_combine_q8(got, dw, xq, xds, ids, wts, qt, K)
+    assert np.array_equal(got.copy_to_host(), want.copy_to_host())
+
+
 def test_quantize_x_nan(small):
     """A NaN in x makes its block's scale NaN: the outputs it touches are NaN, as on the CPU."""
     M, K = 5, 64

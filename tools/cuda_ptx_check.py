@@ -1,6 +1,8 @@
 """Compile the int8 tensor-core kernels (nbmoe/cuda/matmul_mma.py), or with --flash the f16 flash
-attention kernel (nbmoe/cuda/flash.py), to PTX for sm_90 on a machine without a GPU, and assemble
-them with ptxas: catches inline-asm errors, and prints registers, spills and shared memory per kernel.
+attention kernel (nbmoe/cuda/flash.py), or with --mmv the int8 decode matrix-vector kernels
+(matmul.py, fused.py, on mmv_q8.row_dot_fn), to PTX for sm_90 on a machine without a GPU, and
+assemble them with ptxas: catches typing and inline-asm errors, and prints registers, spills and
+shared memory per kernel.
 
 Needs libnvvm, nvrtc and ptxas, e.g. from the pip wheels (a development aid only, not a
 dependency of nbmoe):
@@ -43,7 +45,11 @@ def main():
     ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
     ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
+    ap.add_argument("--mmv", action="store_true", help="the int8 decode matrix-vector kernels instead "
+                    "(--types; the decode model's shapes: K = 2048, 768, 4096)")
     a = ap.parse_args()
+    if a.mmv:
+        sys.exit(check_mmv(a))
     if a.flash:
         sys.exit(check_flash(a))
     if a.tile:
@@ -102,6 +108,42 @@ def check_flash(a):
         print(f"flash Dh={Dh} {nth} threads, {ptx.count('mma.sync')} mma, {ptx.count('ld.local')} ld.local in PTX: "
               f"{'OK' if ok else 'FAILED'} {info}", flush=True)
         bad += not ok
+    return 1 if bad else 0
+
+
+def mmv_kernels(qt):
+    """(name, kernel, signature) of every int8 decode matrix-vector kernel of type qt, built for the
+    decode model's sizes (a qwen3moe of hidden 2048: q/k/v and gate/up K = 2048, expert down
+    K = 768, attention output K = 4096 with split-K 4, and T = 2 with 2 tokens a weight load)."""
+    from nbmoe.cuda import fused, matmul
+    from nbmoe.cuda.mmv_q8 import chunks_in_flight as V
+    f2, f3, u2, u3 = types.float32[:, ::1], types.float32[:, :, ::1], types.uint8[:, ::1], types.uint8[:, :, ::1]
+    i1, f1, i2, n = types.int32[::1], types.float32[::1], types.int32[:, ::1], types.int64
+    return [
+        ("mul_mat_vec_q8 K=4096 S=4", matmul._mmv_q8_kernel(qt, 1, 4, V(qt, 4096, 4)), (f2, u2, i1, f1, n, n)),
+        ("mul_mat_vec_q8 K=2048 NT=2", matmul._mmv_q8_kernel(qt, 2, 1, V(qt, 2048)), (f2, u2, i1, f1, n, n)),
+        ("mul_mat_vec_id_q8 K=2048", matmul._mmv_id_q8_kernel(qt, V(qt, 2048)), (f3, u3, i1, f1, i2, n, n, n)),
+        ("products_q8 K=2048", fused._products_kernel(qt, V(qt, 2048)), (f2, f2, f2, u2, u2, u2, i1, f1) + (n,) * 5),
+        ("glu_q8 K=2048", fused._glu_kernel(qt, False, V(qt, 2048)), (f2, u2, u2, i1, f1, n, n, n)),
+        ("glu_id_q8 K=2048", fused._glu_kernel(qt, True, V(qt, 2048)), (f3, u3, u3, i1, f1, i2, n, n, n, n)),
+        ("down_combine_q8 K=768", fused._down_combine_kernel(qt, V(qt, 768)), (f2, u3, i1, f1, i2, f2, n, n)),
+    ]
+
+
+def check_mmv(a):
+    from nbmoe.cuda.mmv_q8 import chunk_units, chunks_in_flight
+    bad = 0
+    d = a.keep or tempfile.mkdtemp()
+    for name in a.types.split(","):
+        qt = int(Q[name])
+        print(f"{name}: chunk = {chunk_units(qt)} units, V = {chunks_in_flight(qt, 2048)} at K = 2048, "
+              f"{chunks_in_flight(qt, 768)} at K = 768", flush=True)
+        for label, kern, sig in mmv_kernels(qt):
+            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+            ok, info = assemble(ptx, os.path.join(d, re.sub(r"\W+", "_", label) + f"_{name}.ptx"), a.ptxas)
+            n_ld = len(re.findall(r"^\s*ld\.global", ptx, flags=re.M))
+            print(f"  {label:28s} {n_ld:3d} ld.global in PTX: {'OK' if ok else 'FAILED'} {info}", flush=True)
+            bad += not ok
     return 1 if bad else 0
 
 

@@ -16,8 +16,9 @@ values in the same order as the separate kernels (bit-identical results; tests c
 
 Letters as in matmul.py: T tokens, M rows, K values a row, A chosen experts, X input rows
 per token (1 or A), RB bytes a weight row; x is in 8 bits (xq words, xds (d, s) per block).
-Matrix-vector grids as matmul's: block (32, MMV_WARPS), a warp per weight row, lanes over the
-row's units (unit n = 8 values: block n >> 2, unit n & 3), sums by warp shuffles.
+Matrix-vector grids as matmul's: block (32, MMV_WARPS), a warp per weight row, the lanes over
+the row's chunks by mmv_q8.row_dot_fn (V chunks of 1 to 4 units in flight a lane, the same sum
+order as matmul's kernels), the lanes' sums added by warp shuffles.
 """
 import math
 
@@ -25,30 +26,13 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, warp_sum
-from .matmul import MMV_WARPS, _cached, pair_row, unit_dot_q8
+from .matmul import MMV_WARPS, _cached, pair_row
+from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .ops import _gelu, _silu
-from .quants import qtype_info
 
 f32 = np.float32
+i32 = np.int32
 ACT_SILU, ACT_GELU = 0, 1
-
-
-def _row_dot(qtype):
-    """row_dot(w, base, xq, xds, xr, K, lane): this lane's share of (weight row at byte offset
-    base) . (x row xr), the units lane, lane + 32, ... (as matmul's matrix-vector kernels)."""
-    t_ = qtype_info(qtype)
-    idec, split = t_.idec, t_.split
-
-    @device_fn
-    def row_dot(w, base, xq, xds, xr, K, lane):
-        acc = f32(0.0)
-        for n in range(lane, K >> 3, 32):
-            b = n >> 2
-            u = n & 3
-            c0, c1, d, m4 = idec(w, base, b, u)
-            acc += unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split)
-        return acc
-    return row_dot
 
 
 @device_fn
@@ -62,8 +46,8 @@ def _act(g, act):
 # Up to three weights: q, k, v (a run of two passes W1 again with M2 = 0). One token (T = 1):
 # matmul's kernel shares each weight load among up to 8 tokens, this one does not.
 
-def _products_kernel(qtype):
-    row_dot = _row_dot(qtype)
+def _products_kernel(qtype, V):
+    row_dot = row_dot_fn(qtype, V)
 
     def build():
         @cuda.jit
@@ -77,11 +61,15 @@ def _products_kernel(qtype):
                 w, out, rw = w2, out2, rr - M0 - M1
             elif rr >= M0:
                 w, out, rw = w1, out1, rr - M0
-            tot = warp_sum(row_dot(w, rw * RB, xq, xds, t, K, lane))
+            acc = cuda.local.array(1, f32)
+            isum = cuda.local.array(1, i32)
+            acc[0] = f32(0.0)
+            row_dot(acc, isum, w, w, rw * RB, xq, xds, t, t, K, lane, 0)
+            tot = warp_sum(acc[0])
             if lane == 0 and r < M0 + M1 + M2:
                 out[t, rw] = tot
         return products_q8_kernel
-    return _cached(("products_q8", int(qtype)), build)
+    return _cached(("products_q8", int(qtype), V, chunk_units(qtype)), build)
 
 
 def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
@@ -91,7 +79,7 @@ def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
     if len(ws) == 2:
         outs, ws, Ms = list(outs) + [outs[1]], list(ws) + [ws[1]], Ms + [0]
     rows = sum(Ms)
-    _products_kernel(qtype)[((rows + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
+    _products_kernel(qtype, chunks_in_flight(qtype, K))[((rows + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
         outs[0], outs[1], outs[2], ws[0], ws[1], ws[2], xq, xds, Ms[0], Ms[1], Ms[2],
         ws[0].shape[1], K)
 
@@ -102,8 +90,8 @@ def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
 # Expert form: out[t, a, r] with the rows of expert ids[t, a] and x row t * X + (a or 0);
 # grid (ceil(M / warps), T * A), block row y = pair t * A + a.
 
-def _glu_kernel(qtype, experts):
-    row_dot = _row_dot(qtype)
+def _glu_kernel(qtype, experts, V):
+    row_dot = row_dot_fn(qtype, V, NW=2)     # gate and up rows: both rows' loads in flight
 
     def build():
         if experts:
@@ -114,8 +102,13 @@ def _glu_kernel(qtype, experts):
                 lane = cuda.threadIdx.x
                 r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
                 t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
-                g = warp_sum(row_dot(wg, base, xq, xds, xr, K, lane))
-                u = warp_sum(row_dot(wu, base, xq, xds, xr, K, lane))
+                acc = cuda.local.array(2, f32)
+                isum = cuda.local.array(1, i32)
+                acc[0] = f32(0.0)
+                acc[1] = f32(0.0)
+                row_dot(acc, isum, wg, wu, base, xq, xds, xr, xr, K, lane, 0)
+                g = warp_sum(acc[0])
+                u = warp_sum(acc[1])
                 if lane == 0 and r < M:
                     out[t, a, r] = _act(g, act) * u
             return glu_id_q8_kernel
@@ -127,25 +120,30 @@ def _glu_kernel(qtype, experts):
             r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
             t = cuda.blockIdx.y
             base = min(r, M - 1) * RB
-            g = warp_sum(row_dot(wg, base, xq, xds, t, K, lane))
-            u = warp_sum(row_dot(wu, base, xq, xds, t, K, lane))
+            acc = cuda.local.array(2, f32)
+            isum = cuda.local.array(1, i32)
+            acc[0] = f32(0.0)
+            acc[1] = f32(0.0)
+            row_dot(acc, isum, wg, wu, base, xq, xds, t, t, K, lane, 0)
+            g = warp_sum(acc[0])
+            u = warp_sum(acc[1])
             if lane == 0 and r < M:
                 out[t, r] = _act(g, act) * u
         return glu_q8_kernel
-    return _cached(("glu_q8", int(qtype), experts), build)
+    return _cached(("glu_q8", int(qtype), experts, V, chunk_units(qtype)), build)
 
 
 def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
     """out [T, M] = act(x @ Wg^T) * (x @ Wu^T), x [T, K] in 8 bits; act ACT_SILU / ACT_GELU."""
     T, M = out.shape
-    _glu_kernel(qtype, False)[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
+    _glu_kernel(qtype, False, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
         out, wg, wu, xq, xds, wg.shape[1], K, act)
 
 
 def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
     """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB])."""
     T, A, M = out.shape
-    _glu_kernel(qtype, True)[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
+    _glu_kernel(qtype, True, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
         out, wg, wu, xq, xds, ids, X, wg.shape[2], K, act)
 
 
@@ -155,8 +153,8 @@ def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
 # dots expert a's row (all A rows in flight at once: a warp walking the A experts in turn
 # was latency-bound), the block's first thread adds the A results from shared memory.
 
-def _down_combine_kernel(qtype):
-    row_dot = _row_dot(qtype)
+def _down_combine_kernel(qtype, V):
+    row_dot = row_dot_fn(qtype, V)
 
     def build():
         @cuda.jit
@@ -168,7 +166,11 @@ def _down_combine_kernel(qtype):
             a = cuda.threadIdx.y
             r = cuda.blockIdx.x
             t = cuda.blockIdx.y
-            y = warp_sum(row_dot(w, (ids[t, a] * M + r) * RB, xq, xds, t * A + a, K, lane))
+            acc = cuda.local.array(1, f32)
+            isum = cuda.local.array(1, i32)
+            acc[0] = f32(0.0)
+            row_dot(acc, isum, w, w, (ids[t, a] * M + r) * RB, xq, xds, t * A + a, t * A + a, K, lane, 0)
+            y = warp_sum(acc[0])
             if lane == 0:
                 ys[a] = y
             cuda.syncthreads()
@@ -178,7 +180,7 @@ def _down_combine_kernel(qtype):
                     acc += wts[t, q] * ys[q]
                 out[t, r] = acc
         return down_combine_q8_kernel
-    return _cached(("down_combine_q8", int(qtype)), build)
+    return _cached(("down_combine_q8", int(qtype), V, chunk_units(qtype)), build)
 
 
 def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0):
@@ -188,7 +190,7 @@ def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0):
     A = ids.shape[1]
     if A > 32:
         raise ValueError("down_combine_q8: more than 32 chosen experts")
-    _down_combine_kernel(qtype)[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
+    _down_combine_kernel(qtype, chunks_in_flight(qtype, K))[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
 
 
 # ---------------------------------------------------------------- norm_rope_store

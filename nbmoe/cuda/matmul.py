@@ -17,7 +17,8 @@ Kernels, chosen per call by the number of tokens T sharing a weight matrix:
       l, l + 32, ... of the row (a warp reads contiguous bytes), dots each with the NT tokens'
       x while in registers, and the warp sums its lanes by shuffles. Weights are read once.
       Block types (INT8_DOT): x is first quantized to 8 bits per 32-block (quantize_x_kernel,
-      a second launch) and a unit costs two dp4a; float types dot in float32.
+      a second launch) and a unit costs two dp4a; a lane then takes V chunks of 1 to 4 units
+      per step with all their loads in flight (mmv_q8.py); float types dot in float32.
   tiled (prompts)  a block computes a TILE_M x TILE_T tile of out: per 32-value step it decodes
       TILE_M rows' block into shared memory (one unit per thread) next to TILE_T tokens' x,
       then each thread accumulates an RM x RT piece from shared memory. Block types with
@@ -32,7 +33,8 @@ Kernels are built per (type, sizes) by small factories, compiled on first use an
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, device_id, dp4a, ld_f32, ld_i32, rintf, shfl_xor, warp_sum
+from . import SIM, device_fn, device_id, ld_f32, rintf, shfl_xor, warp_sum
+from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn, unit_words  # noqa: F401  (unit_words: matmul_mma)
 from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 
 f32 = np.float32
@@ -238,30 +240,17 @@ def quantizes_x(qtype, T, K):
 
 # ---------------------------------------------------------------- matrix-vector, int8 x
 # As mul_mat_vec_kernel, with x as 8-bit words: a unit is 2 dp4a + a multiply-add per token
-# (the float kernel spends ~40 instructions a value on decode, loads and index math).
-# mul_mat_vec_id_q8_kernel is the mul_mat_id version (block row y = pair, as below).
+# (the float kernel spends ~40 instructions a value on decode, loads and index math). The row
+# dot is mmv_q8.row_dot_fn: a lane takes V chunks (1 to 4 units of one block) per step, all
+# their loads in flight together; the fused decode kernels (fused.py) use the same one.
+# mul_mat_vec_q8_kernel: grid (ceil(M / (warps / S)), ceil(T / NT)), block (32, warps):
+#     warp wy = S * row + slice:  | row r0 sl 0 | row r0 sl 1 | .. | row r0 + 1 sl 0 | ..
+#   block row y = NT tokens sharing each weight load; rows past M and tokens past T compute on
+#   clamped indices and are not written (every lane reaches the shuffles).
+# mul_mat_vec_id_q8_kernel is the mul_mat_id version (block row y = pair, warp = row, as below).
 
-@device_fn
-def unit_words(b, u, split):
-    """Word indices in xq of the x columns unit_cols gives."""
-    if split:
-        return 8 * b + u, 8 * b + 4 + u
-    return 8 * b + 2 * u, 8 * b + 2 * u + 1
-
-
-@device_fn
-def unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split):
-    """A unit's contribution with x row xr quantized: d * xd * (codes . x codes) + (m / 4) * xs."""
-    w0, w1 = unit_words(b, u, split)
-    qb = xr * K                                   # byte offset of the row in xq (K codes)
-    isum = dp4a(c0, ld_i32(xq, qb, 4 * w0), dp4a(c1, ld_i32(xq, qb, 4 * w1), 0))
-    db = xr * (K // 4)                            # byte offset of the row in xds (2 B floats)
-    return ld_f32(xds, db, 8 * b) * (d * f32(isum)) + m4 * ld_f32(xds, db, 8 * b + 4)
-
-
-def _mmv_q8_kernel(qtype, NT, S=1):
-    t_ = qtype_info(qtype)
-    idec, split = t_.idec, t_.split
+def _mmv_q8_kernel(qtype, NT, S, V):
+    row_dot = row_dot_fn(qtype, V, NT, S)
     write_rows = _write_rows_fn(S, NT)
 
     def build():
@@ -275,17 +264,13 @@ def _mmv_q8_kernel(qtype, NT, S=1):
             base = min(r, M - 1) * RB
             t0 = cuda.blockIdx.y * NT
             acc = cuda.local.array(NT, f32)
+            isum = cuda.local.array(NT, i32)
             for j in range(NT):
                 acc[j] = f32(0.0)
-            for n in range(lane + 32 * sl, K >> 3, 32 * S):
-                b = n >> 2
-                u = n & 3
-                c0, c1, d, m4 = idec(w, base, b, u)
-                for j in range(NT):
-                    acc[j] += unit_dot_q8(c0, c1, d, m4, xq, xds, min(t0 + j, T - 1), b, u, K, split)
+            row_dot(acc, isum, w, w, base, xq, xds, t0, T - 1, K, lane, sl)
             write_rows(out, acc, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_q8_kernel
-    return _cached(("mmv_q8", int(qtype), NT, S, MMV_WARPS), build)
+    return _cached(("mmv_q8", int(qtype), NT, S, V, chunk_units(qtype), MMV_WARPS), build)
 
 
 @device_fn
@@ -297,9 +282,8 @@ def pair_row(ids, p, r, M, A, X, RB):
     return t, a, (ids[t, a] * M + min(r, M - 1)) * RB, t * X + (a if X == A else 0)
 
 
-def _mmv_id_q8_kernel(qtype):
-    t_ = qtype_info(qtype)
-    idec, split = t_.idec, t_.split
+def _mmv_id_q8_kernel(qtype, V):
+    row_dot = row_dot_fn(qtype, V)
 
     def build():
         @cuda.jit
@@ -309,17 +293,15 @@ def _mmv_id_q8_kernel(qtype):
             lane = cuda.threadIdx.x
             r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
             t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
-            acc = f32(0.0)
-            for n in range(lane, K >> 3, 32):
-                b = n >> 2
-                u = n & 3
-                c0, c1, d, m4 = idec(w, base, b, u)
-                acc += unit_dot_q8(c0, c1, d, m4, xq, xds, xr, b, u, K, split)
-            tot = warp_sum(acc)
+            acc = cuda.local.array(1, f32)
+            isum = cuda.local.array(1, i32)
+            acc[0] = f32(0.0)
+            row_dot(acc, isum, w, w, base, xq, xds, xr, xr, K, lane, 0)
+            tot = warp_sum(acc[0])
             if lane == 0 and r < M:
                 out[t, a, r] = tot
         return mul_mat_vec_id_q8_kernel
-    return _cached(("mmv_id_q8", int(qtype)), build)
+    return _cached(("mmv_id_q8", int(qtype), V, chunk_units(qtype)), build)
 
 
 # ---------------------------------------------------------------- mul_mat_id, matrix-vector
@@ -632,7 +614,8 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
     if _int8(qtype, K):
         xq, xds = _quantize_x(x, T, K, stream, x_ready)
-        _mmv_q8_kernel(qtype, nt, S)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, RB, K)
+        _mmv_q8_kernel(qtype, nt, S, chunks_in_flight(qtype, K, S))[grid, (32, MMV_WARPS), stream](
+            out, w, xq, xds, RB, K)
     else:
         _mmv_kernel(qtype, nt, S)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
@@ -651,7 +634,8 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):
         grid = ((M + MMV_WARPS - 1) // MMV_WARPS, N)
         if _int8(qtype, K):
             xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
-            _mmv_id_q8_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, xq, xds, ids, X, RB, K)
+            _mmv_id_q8_kernel(qtype, chunks_in_flight(qtype, K))[grid, (32, MMV_WARPS), stream](
+                out, w, xq, xds, ids, X, RB, K)
         else:
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
