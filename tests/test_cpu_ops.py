@@ -102,6 +102,25 @@ def test_rope(neox, Dh, n_rot, T):
     assert max_rel(y, naive.rope(x, pos, n_rot, 10000.0, neox)) < RTOL
 
 
+def test_rope_tables_consecutive_positions():
+    """Runs of consecutive positions take the rotation recurrence (re-anchored every
+    ROPE_ANCHOR rows and at the jump to 5); positions near 1e5, where errors would show."""
+    pos = np.concatenate([np.arange(99000, 99150), np.arange(5, 12)]).astype(np.int32)
+    T, n_rot = pos.shape[0], 64
+    cs, sn = np.empty((T, n_rot // 2), np.float32), np.empty((T, n_rot // 2), np.float32)
+    ops.rope_tables(cs, sn, pos, n_rot, 10000.0, 0.5)
+    theta = pos[:, None] * 0.5 * 10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)
+    assert np.max(np.abs(cs - np.cos(theta))) < 1e-7
+    assert np.max(np.abs(sn - np.sin(theta))) < 1e-7
+
+
+def test_sincos_f64():
+    x = np.concatenate([np.linspace(-10, 10, 2001), np.linspace(0, 1.5e6, 2001)])
+    got = np.array([ops.sincos_f64(v) for v in x])
+    assert np.max(np.abs(got[:, 0] - np.sin(x))) < 1e-15
+    assert np.max(np.abs(got[:, 1] - np.cos(x))) < 1e-15
+
+
 def test_rope_pairs_by_hand():
     """Position 1, one pair per mode: dim pair rotated by exactly theta_0 = 1 rad."""
     x = np.zeros((1, 1, 4), np.float32)
