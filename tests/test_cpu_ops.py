@@ -8,6 +8,7 @@ import pytest
 
 import naive
 from nbmoe.cpu import attention as att
+from nbmoe.cpu import attention_flash as flash
 from nbmoe.cpu import moe, ops
 
 RTOL = 1e-5  # float32 paths, relative to the largest reference value
@@ -101,6 +102,25 @@ def test_rope(neox, Dh, n_rot, T):
     assert max_rel(y, naive.rope(x, pos, n_rot, 10000.0, neox)) < RTOL
 
 
+def test_rope_tables_consecutive_positions():
+    """Runs of consecutive positions take the rotation recurrence (re-anchored every
+    ROPE_ANCHOR rows and at the jump to 5); positions near 1e5, where errors would show."""
+    pos = np.concatenate([np.arange(99000, 99150), np.arange(5, 12)]).astype(np.int32)
+    T, n_rot = pos.shape[0], 64
+    cs, sn = np.empty((T, n_rot // 2), np.float32), np.empty((T, n_rot // 2), np.float32)
+    ops.rope_tables(cs, sn, pos, n_rot, 10000.0, 0.5)
+    theta = pos[:, None] * 0.5 * 10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)
+    assert np.max(np.abs(cs - np.cos(theta))) < 1e-7
+    assert np.max(np.abs(sn - np.sin(theta))) < 1e-7
+
+
+def test_sincos_f64():
+    x = np.concatenate([np.linspace(-10, 10, 2001), np.linspace(0, 1.5e6, 2001)])
+    got = np.array([ops.sincos_f64(v) for v in x])
+    assert np.max(np.abs(got[:, 0] - np.sin(x))) < 1e-15
+    assert np.max(np.abs(got[:, 1] - np.cos(x))) < 1e-15
+
+
 def test_rope_pairs_by_hand():
     """Position 1, one pair per mode: dim pair rotated by exactly theta_0 = 1 rad."""
     x = np.zeros((1, 1, 4), np.float32)
@@ -179,17 +199,18 @@ def test_store_kv_rounds_to_nearest_f16():
 
 
 @pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("Hkv", [2, 6])
-@pytest.mark.parametrize("Dh", [16, 64, 80])
-@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("Hkv", [1, 2, 6])
+@pytest.mark.parametrize("Dh", [16, 64, 72, 256])
+@pytest.mark.parametrize("T", [1, 7, 40])
 def test_attention(T, Dh, Hkv, window):
+    """G = 6, 3, 1 query heads per kv head (decode pads to 8 and 4 rows); T = 40 is three query
+    tiles, the last one partial, over two key tiles; Dh = 72 leaves a P @ V remainder."""
     H, pos0 = 6, 41
     q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, seed=T * Dh + Hkv)
     scale = 1.0 / np.sqrt(Dh)
     ref = naive.attention(q, k_all, v_all, pos0, scale, window)
-    fns = [att.attention, att._attention_seq, att._attention_par]
-    if T == 1:
-        fns.append(att._attention_split)
+    fns = [att.attention]
+    fns += [att._decode_seq, att._decode_split] if T == 1 else [flash.flash_seq, flash.flash_par]
     for fn in fns:
         out = np.full_like(q, np.nan)
         fn(out, q, kc, vc, pos0, scale, window)
@@ -199,14 +220,16 @@ def test_attention(T, Dh, Hkv, window):
     assert max_rel(out, ref) < RTOL
 
 
-@pytest.mark.parametrize("window", [0, 300])
-def test_attention_split_long_context(window):
-    """T=1 over 1000 cached positions: the split path runs with several spans."""
+@pytest.mark.parametrize("T,window", [(1, 0), (1, 300), (40, 300)])
+def test_attention_long_context(T, window):
+    """Over ~1000 cached positions: T=1 splits the keys into several spans; T=40 visits 17
+    key tiles, or with the window only the last 6 of them."""
     H, Hkv, Dh, pos0 = 6, 2, 64, 999
-    q, kc, vc, k_all, v_all = _attn_case(1, H, Hkv, Dh, pos0, C=1024, seed=3)
-    q *= 3  # peaked softmax, so the span maxima differ
+    q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, C=1040, seed=3)
+    q *= 3  # peaked softmax, so the span and tile maxima differ
     ref = naive.attention(q, k_all, v_all, pos0, 0.125, window)
-    for fn in (att.attention, att._attention_split, att._attention_seq):
+    fns = (att._decode_split, att._decode_seq) if T == 1 else (flash.flash_par,)
+    for fn in (att.attention,) + fns:
         out = np.empty_like(q)
         fn(out, q, kc, vc, pos0, 0.125, window)
         assert max_rel(out, ref) < RTOL

@@ -1,27 +1,40 @@
 """KV cache store and causal grouped-query attention over an f16 cache, on CPU.
 
 Letters: T tokens in the micro-batch, H query heads, Hkv kv heads, G = H // Hkv query heads per
-kv head, Dh head dim, C cache slots (context length), n keys attended by one query.
+kv head, Dh head dim, C cache slots (context length), n keys attended by one query, R = G
+rounded up to RB (the query rows a decode block computes together).
 
 Cache layout, per layer: k_cache, v_cache uint16 [C, Hkv, Dh] holding f16 bit patterns; the Dh
 values of one (position, kv head) are contiguous, and a whole position row (Hkv * Dh) too.
 Token t of the batch sits at position pos0 + t.
+
+Prompts (T > 1) go to the tiled kernel in attention_flash.py; generation (T = 1) to the
+decode kernel here, which reads the cache directly (each key and value is used G times only,
+too few to pay for a float32 copy).
 """
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
+from . import attention_flash as flash
 from .half import f16_to_f32, f32_to_f16
 from .ops import FM, exp_f32, row_max
+from .quants import FM as FM_DOT
+from .quants import stack_f32
 
-# T=1: split the keys over threads (flash-decoding) once n * H * Dh reaches this; below it the
-# single-threaded loop is faster than a parallel region's start and end barrier.
+# T=1: split the keys over threads (flash-decoding) once n * H * Dh reaches this (~25 us of
+# work on one thread); below it the single-threaded loop beats a parallel region's start and
+# end barriers, which on a busy 2-core machine cost more than the split saves.
 SPLIT_MIN_WORK = 1 << 18
-# T>1: tasks of (token pair, kv head) in parallel once T * n * H * Dh reaches this.
-PAR_MIN_WORK = 1 << 16
 # Split path: spans of at least SPLIT_MIN_KEYS keys, at most SPLIT_MAX_SPANS of them (the
 # thread count cannot be read in cached code, so prange deals the spans out to the threads).
 SPLIT_MIN_KEYS = 128
 SPLIT_MAX_SPANS = 32
+# T>1: query tiles in parallel once T * n * H * Dh reaches this.
+PAR_MIN_WORK = 1 << 16
+
+RB = 4   # decode: query rows per block (G is padded to a multiple)
+IC = 16  # decode: head dims per P @ V micro-tile
+_acc_pv = stack_f32(RB * IC)
 
 
 # ---------------------------------------------------------------- store_kv
@@ -42,162 +55,181 @@ def store_kv(k_cache, v_cache, k, v, pos0):
                 vd[i] = f32_to_f16(vs[i])
 
 
-# ---------------------------------------------------------------- attention
-# out[T, H, Dh] = softmax_j(scale * q[t, h] . k[j, g]) @ v[j, g]   with g = h // G,
-# over keys j with j <= pos0 + t and (window == 0 or j > pos0 + t - window).
-# Softmax in float32 with max subtraction. The worker below handles the G query heads of one
-# kv head together, so each f16 key / value row is converted once and used G times.
-# Parallel: T>1 over (token pair, kv head) tasks; T=1 over spans of keys, merged afterwards.
+# ---------------------------------------------------------------- decode (T = 1)
+# out[0, h] = softmax_j(scale * q[0, h] . k[j, g]) @ v[j, g]   with g = h // G, over keys
+# j in [lo, hi) = [max(0, pos0 + 1 - window) if window else 0, pos0 + 1).
+# One block: the G query rows of kv head g (qp [R, Dh], scaled; rows G.. are zero) against a
+# span of keys, reading the f16 cache directly:
+#   scores: s[a, j] = qp[a] . k_j, 4 rows x 2 keys per pass over Dh (8 dot products sharing
+#           each converted key value; LLVM vectorizes the 8 sums over Dh);
+#   P @ V:  acc[a] = sum_j s[a, j] v_j, 4 rows x 16 dims of accumulators in registers,
+#           one broadcast of s[a, j] against each converted 16-value slice of v_j.
+# Parallel (long contexts): spans of keys x kv heads, merged by their maxima afterwards.
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def _attend_span(acc, ml, qg, k_cache, v_cache, g, lo, hi, scale, s, kv):
-    """Attention of the G query vectors qg [G, Dh] over keys lo .. hi-1 of kv head g, unnormalised.
+def _decode_scores(s, qp, k_cache, g, lo, n):
+    """s[a, j] = qp[a] . k_cache[lo + j, g] for a < R, j < n."""
+    Dh = qp.shape[1]
+    for a0 in range(0, qp.shape[0], RB):
+        q0, q1, q2, q3 = qp[a0], qp[a0 + 1], qp[a0 + 2], qp[a0 + 3]
+        for j0 in range(0, n, 2):
+            j1 = min(j0 + 1, n - 1)  # odd n: the last pass computes key n-1 twice
+            kx, ky = k_cache[lo + j0, g], k_cache[lo + j1, g]
+            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = np.float32(0.0)
+            for d in range(Dh):
+                x = f16_to_f32(kx[d])
+                y = f16_to_f32(ky[d])
+                x0 += q0[d] * x
+                x1 += q1[d] * x
+                x2 += q2[d] * x
+                x3 += q3[d] * x
+                y0 += q0[d] * y
+                y1 += q1[d] * y
+                y2 += q2[d] * y
+                y3 += q3[d] * y
+            s[a0, j0], s[a0 + 1, j0], s[a0 + 2, j0], s[a0 + 3, j0] = x0, x1, x2, x3
+            s[a0, j1], s[a0 + 1, j1], s[a0 + 2, j1], s[a0 + 3, j1] = y0, y1, y2, y3
 
-    Writes acc [G, Dh] = sum_j exp(s_j - m) v_j and ml [G, 2] = (m, sum_j exp(s_j - m)), with
-    s_j = scale * q . k_j and m = max_j s_j. Scratch: s [G, >= hi - lo], kv [Dh] float32.
-    acc may alias qg: every read of qg comes before the first write of acc.
+
+@njit(cache=True, error_model="numpy", fastmath=FM_DOT)
+def _decode_pv(acc, p, v_cache, g, lo, n):
+    """acc[a] = sum_{j < n} p[a, j] * v_cache[lo + j, g] for a < R."""
+    Dh = acc.shape[1]
+    for a0 in range(0, p.shape[0], RB):
+        for i0 in range(0, Dh - IC + 1, IC):
+            o = carray(_acc_pv(), RB * IC)
+            for x in range(RB * IC):
+                o[x] = 0.0
+            for j in range(n):
+                vr = v_cache[lo + j, g, i0:i0 + IC]
+                for c in range(IC):
+                    x = f16_to_f32(vr[c])
+                    for a in range(RB):
+                        o[a * IC + c] += p[a0 + a, j] * x
+            for a in range(RB):
+                for c in range(IC):
+                    acc[a0 + a, i0 + c] = o[a * IC + c]
+        for i in range(Dh // IC * IC, Dh):  # a head dim that is not a multiple of IC
+            for a in range(RB):
+                t = np.float32(0.0)
+                for j in range(n):
+                    t += p[a0 + a, j] * f16_to_f32(v_cache[lo + j, g, i])
+                acc[a0 + a, i] = t
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s):
+    """Attention of qp [R, Dh] over keys lo .. hi-1 of kv head g, unnormalised.
+
+    Writes acc [R, Dh] = sum_j exp(s_j - m) v_j and ml [R, 2] = (m, sum_j exp(s_j - m)) for
+    the first G rows, with s_j = qp . k_j and m = max_j s_j. Scratch: s [R, >= hi - lo].
     """
-    G, Dh = qg.shape[0], qg.shape[1]
     n = hi - lo
-    sc = np.float32(scale)
-    # scores s[a, j] = scale * q_a . k_j
-    for j in range(n):
-        krow = k_cache[lo + j, g]
-        for i in range(Dh):
-            kv[i] = f16_to_f32(krow[i])
-        for a in range(G):
-            q = qg[a]
-            d = np.float32(0.0)
-            for i in range(Dh):
-                d += q[i] * kv[i]
-            s[a, j] = d * sc
-    # s[a, j] <- exp(s[a, j] - m_a)
-    for a in range(G):
-        m = row_max(s[a, :n])
+    _decode_scores(s, qp, k_cache, g, lo, n)
+    for a in range(G):  # rows G.. keep their zero scores; their acc is never read
+        row = s[a, :n]
+        m = row_max(row)
         tot = np.float32(0.0)
         for j in range(n):
-            e = exp_f32(s[a, j] - m)
-            s[a, j] = e
+            e = exp_f32(row[j] - m)
+            row[j] = e
             tot += e
         ml[a, 0] = m
         ml[a, 1] = tot
-    # acc[a] = sum_j s[a, j] * v_j
-    acc[:, :] = 0.0
-    for j in range(n):
-        vrow = v_cache[lo + j, g]
-        for i in range(Dh):
-            kv[i] = f16_to_f32(vrow[i])
-        for a in range(G):
-            p = s[a, j]
-            o = acc[a]
-            for i in range(Dh):
-                o[i] += p * kv[i]
+    _decode_pv(acc, s, v_cache, g, lo, n)
 
 
 @njit(cache=True, error_model="numpy")
-def _key_range(pos0, t, window):
-    """Keys [lo, hi) that token t (at position pos0 + t) attends to."""
-    hi = pos0 + t + 1
+def _key_range(pos0, window):
+    """Keys [lo, hi) that the query at position pos0 attends to."""
+    hi = pos0 + 1
     lo = max(0, hi - window) if window > 0 else 0
     return lo, hi
 
 
-@njit(cache=True, error_model="numpy", fastmath=FM)
-def _finish(out_g, ml):
-    """out_g [G, Dh] /= the softmax denominators ml[:, 1]."""
-    for a in range(out_g.shape[0]):
-        inv = np.float32(1.0) / ml[a, 1]
-        o = out_g[a]
-        for i in range(o.shape[0]):
-            o[i] *= inv
-
-
 @njit(cache=True, error_model="numpy")
-def _attention_seq(out, q, k_cache, v_cache, pos0, scale, window):
-    """Plain loop over tokens and kv heads."""
-    T, H, Dh = q.shape
+def _load_q(qp, q, g, G, scale):
+    """qp[:G] = scale * the query rows of kv head g (rows G.. stay as they are: zero)."""
+    s = np.float32(scale)
+    for a in range(G):
+        src = q[0, g * G + a]
+        for i in range(qp.shape[1]):
+            qp[a, i] = src[i] * s
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window):
+    """T == 1, one kv head after another."""
+    H, Dh = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[1]
     G = H // Hkv
-    s = np.empty((G, pos0 + T), np.float32)
-    kv = np.empty(Dh, np.float32)
-    ml = np.empty((G, 2), np.float32)
-    for t in range(T):
-        lo, hi = _key_range(pos0, t, window)
-        for g in range(Hkv):
-            out_g = out[t, g * G:(g + 1) * G]
-            _attend_span(out_g, ml, q[t, g * G:(g + 1) * G], k_cache, v_cache, g, lo, hi,
-                         scale, s, kv)
-            _finish(out_g, ml)
+    R = (G + RB - 1) // RB * RB
+    lo, hi = _key_range(pos0, window)
+    qp = np.zeros((R, Dh), np.float32)
+    s = np.empty((R, hi - lo), np.float32)
+    acc = np.empty((R, Dh), np.float32)
+    ml = np.empty((R, 2), np.float32)
+    for g in range(Hkv):
+        _load_q(qp, q, g, G, scale)
+        _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s)
+        for a in range(G):
+            inv = np.float32(1.0) / ml[a, 1]
+            o = out[0, g * G + a]
+            for i in range(Dh):
+                o[i] = acc[a, i] * inv
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _attention_par(out, q, k_cache, v_cache, pos0, scale, window):
-    """T > 1: one task per (token pair, kv head). Token i is paired with token T-1-i, so every
-    task has the same number of keys and prange's equal static chunks balance the causal
-    triangle whatever the thread count."""
-    T, H, Dh = q.shape
-    Hkv = k_cache.shape[1]
-    G = H // Hkv
-    n_pair = (T + 1) // 2
-    for task in prange(n_pair * Hkv):
-        i, g = task // Hkv, task % Hkv
-        s = np.empty((G, pos0 + T), np.float32)
-        kv = np.empty(Dh, np.float32)
-        ml = np.empty((G, 2), np.float32)
-        for r in range(1 if 2 * i + 1 == T else 2):
-            t = i if r == 0 else T - 1 - i
-            lo, hi = _key_range(pos0, t, window)
-            out_g = out[t, g * G:(g + 1) * G]
-            _attend_span(out_g, ml, q[t, g * G:(g + 1) * G], k_cache, v_cache, g, lo, hi,
-                         scale, s, kv)
-            _finish(out_g, ml)
-
-
-@njit(cache=True, error_model="numpy", parallel=True)
-def _attention_split(out, q, k_cache, v_cache, pos0, scale, window):
-    """T == 1: keys split into P spans of >= SPLIT_MIN_KEYS, processed in parallel; the partial
-    results are merged by their maxima:
+def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
+    """T == 1: keys split into P spans of >= SPLIT_MIN_KEYS; the (span, kv head) tasks run in
+    parallel and their partial results are merged by their maxima:
         out[h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p.
     """
     H, Dh = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[1]
     G = H // Hkv
-    lo, hi = _key_range(pos0, 0, window)
+    R = (G + RB - 1) // RB * RB
+    lo, hi = _key_range(pos0, window)
     n = hi - lo
     P = max(1, min(SPLIT_MAX_SPANS, n // SPLIT_MIN_KEYS))
     span = (n + P - 1) // P
-    acc = np.empty((P, H, Dh), np.float32)
-    ml = np.empty((P, H, 2), np.float32)
-    for p in prange(P):
+    acc = np.empty((P, Hkv, R, Dh), np.float32)
+    ml = np.empty((P, Hkv, R, 2), np.float32)
+    for task in prange(P * Hkv):
+        p, g = task // Hkv, task % Hkv
         a, b = lo + p * span, min(hi, lo + (p + 1) * span)
-        s = np.empty((G, span), np.float32)
-        kv = np.empty(Dh, np.float32)
-        for g in range(Hkv):
-            _attend_span(acc[p, g * G:(g + 1) * G], ml[p, g * G:(g + 1) * G],
-                         q[0, g * G:(g + 1) * G], k_cache, v_cache, g, a, b, scale, s, kv)
+        qp = np.zeros((R, Dh), np.float32)
+        s = np.empty((R, span), np.float32)
+        _load_q(qp, q, g, G, scale)
+        _decode_span(acc[p, g], ml[p, g], qp, G, k_cache, v_cache, g, a, b, s)
     for h in range(H):
-        m = ml[0, h, 0]
+        g, r = h // G, h % G
+        m = ml[0, g, r, 0]
         for p in range(1, P):
-            m = max(m, ml[p, h, 0])
+            m = max(m, ml[p, g, r, 0])
         o = out[0, h]
         o[:] = 0.0
         tot = np.float32(0.0)
         for p in range(P):
-            f = exp_f32(ml[p, h, 0] - m)
-            tot += f * ml[p, h, 1]
+            f = exp_f32(ml[p, g, r, 0] - m)
+            tot += f * ml[p, g, r, 1]
             for i in range(Dh):
-                o[i] += f * acc[p, h, i]
+                o[i] += f * acc[p, g, r, i]
         inv = np.float32(1.0) / tot
         for i in range(Dh):
             o[i] *= inv
 
 
+# ---------------------------------------------------------------- attention
+
 @njit(cache=True, error_model="numpy")
 def attention(out, q, k_cache, v_cache, pos0, scale, window=0):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
-    The cache must already hold rows 0 .. pos0 + T - 1 (store_kv first). window > 0 limits
-    each query to its `window` most recent positions (itself included).
+    out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
+    j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent
+    positions, itself included). The cache must already hold rows 0 .. pos0 + T - 1
+    (store_kv first).
     """
     T, H, Dh = q.shape
     if pos0 < 0 or pos0 + T > k_cache.shape[0]:
@@ -205,10 +237,10 @@ def attention(out, q, k_cache, v_cache, pos0, scale, window=0):
     n = pos0 + 1 if window == 0 else min(pos0 + 1, window)
     if T == 1:
         if n * H * Dh >= SPLIT_MIN_WORK and n >= 2 * SPLIT_MIN_KEYS:
-            _attention_split(out, q, k_cache, v_cache, pos0, scale, window)
+            _decode_split(out, q, k_cache, v_cache, pos0, scale, window)
         else:
-            _attention_seq(out, q, k_cache, v_cache, pos0, scale, window)
+            _decode_seq(out, q, k_cache, v_cache, pos0, scale, window)
     elif T * n * H * Dh >= PAR_MIN_WORK:
-        _attention_par(out, q, k_cache, v_cache, pos0, scale, window)
+        flash.flash_par(out, q, k_cache, v_cache, pos0, scale, window)
     else:
-        _attention_seq(out, q, k_cache, v_cache, pos0, scale, window)
+        flash.flash_seq(out, q, k_cache, v_cache, pos0, scale, window)
