@@ -1,0 +1,222 @@
+"""Batched integer products (prompts): out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T with
+x quantized to 8 bits and the weights' integer codes, AVX-512 VNNI `vpdpbusd`, in Numba's
+thread pool (no BLAS). matmul uses it for T >= BLAS_MIN_T tokens sharing a weight matrix.
+
+Letters as in matmul.py: T tokens, M rows, K values per row, B = K / 32 x-blocks, E experts;
+NT = 8 tokens of a group (accumulators in registers), G = 32 or 16 values per weight scale.
+
+x (prepare_x, once per call): each token (a "slot"; mul_mat_id: a (token, expert) pair) is
+quantized as quantize_x does (xq int8, xd per 32 values), then laid out per group of NT slots:
+    xq [B][NT][32] int8   xd [B][NT] f32   xb [K/G][NT] int32 = -128 * (sum of xq over G)
+    xs [K/G][NT] f32 = xd * (sum of xq over G)
+Weights (gemm_unpack, once per work item): a panel of 16 rows of one matrix, rows padded with
+zeros past M, as 8-bit codes c + 128 (c the signed integer code, value = s * c + o):
+    codes [K/4][16][4] u8 (one 512-bit vector per 4 values of the 16 rows, as quants_rtr)
+        byte  0  1  2  3 | 4  5  6  7 | ... | 60 61 62 63      vector k
+        row   0  0  0  0 | 1  1  1  1 | ... | 15 15 15 15
+        value 4k .. 4k+3 | 4k .. 4k+3 | ... | 4k .. 4k+3
+    s, o [K/G][16] f32 (o only for the types with an offset: HAS_M)
+Equation, for slot t, row r, weight group g (G values) in x-block j:
+    out[t, r] = sum_j xd[t, j] * sum_(g in j) s[g, r] * dot_g  +  sum_g o[g, r] * xs[t, g]
+    dot_g = xb[t, g] + sum_(k in g) (c[k, r] + 128) * xq[t, k]      (exact in int32)
+dot_g is one vpdpbusd chain (u8 codes x the broadcast 4 x codes of the slot) of G / 4 steps
+started at xb; then per slot float(dot) * s (* xd) into 16 float lanes (= the 16 rows).
+Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a slot, the 8
+weight vectors loaded once. Loop order: panel outer (unpacked once, L1/L2), slot groups,
+x-blocks. Parallel over (job, panel) work items; a job = one matrix and a run of slot groups.
+"""
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
+
+from .gemm_unpack import group_size, has_m, unpack
+from .quants import f32, stack_f32
+from .quants_int8 import _dot4_init, quantize_x
+from .simd import F32, I32, I64, vec
+
+NT = 8          # slots per group
+ROWS = 16       # rows per panel
+
+_stack_acc = stack_f32(NT * ROWS)
+
+
+# ---------------------------------------------------------------- the micro-kernel (IR)
+
+def _emit_block(context, b, sig, args, G, has_m):
+    """acc[t, 0:16] += slot t's dot of x-block j with the panel's 16 rows, t < NT."""
+    _, _, acc, P, S, O, xq, xd, xs, xb, j = args
+    n = 32 // G                                      # weight groups in the x-block
+
+    def data(i):
+        return context.make_array(sig.args[i])(context, b, args[i]).data
+
+    def at(ptr, off, ty):   # a ty at element offset off (i64) of ptr, unaligned
+        return b.load(b.bitcast(b.gep(ptr, [off]), ty.as_pointer()), align=1)
+
+    def c(v):
+        return ir.Constant(I64, v)
+
+    def splat(v, m=16):
+        one = b.insert_element(ir.Constant(vec(v.type, m), None), v, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, one, ir.Constant(vec(I32, m), None))
+
+    v16i, v16f = vec(I32, 16), vec(F32, 16)
+    j = b.sext(j, I64) if j.type != I64 else j
+    p, s_, o_ = data(3), data(4), data(5)
+    xq_, xd_, xs_, xb_ = data(6), data(7), data(8), data(9)
+    W = [at(p, b.add(b.mul(j, c(128)), c(16 * k)), v16i) for k in range(8)]
+    s = [at(s_, b.add(b.mul(j, c(16 * n)), c(16 * g)), v16f) for g in range(n)]
+    o = [at(o_, b.add(b.mul(j, c(16 * n)), c(16 * g)), v16f) for g in range(n)] if has_m else []
+    xblock = b.mul(j, c(NT * 32))
+    # int32 chains: slot t, group g; k outer so that the NT independent chains interleave
+    dots = [[splat(b.load(b.gep(xb_, [b.add(b.mul(j, c(n * NT)), c(g * NT + t))])))
+             for g in range(n)] for t in range(NT)]
+    for k in range(8):
+        g = k * 4 // G
+        for t in range(NT):
+            x4 = b.load(b.bitcast(b.gep(xq_, [b.add(xblock, c(32 * t + 4 * k))]), I32.as_pointer()), align=1)
+            dots[t][g] = _dot4_init(b, dots[t][g], b.bitcast(W[k], vec(ir.IntType(8), 64)),
+                                    b.bitcast(splat(x4), vec(ir.IntType(8), 64)))
+    ap = b.bitcast(data(2), v16f.as_pointer())
+    for t in range(NT):
+        f = b.fmul(b.sitofp(dots[t][0], v16f), s[0], flags=("contract",))
+        if n == 2:
+            f = b.fadd(f, b.fmul(b.sitofp(dots[t][1], v16f), s[1], flags=("contract",)), flags=("contract",))
+        xdt = b.load(b.gep(xd_, [b.add(b.mul(j, c(NT)), c(t))]))
+        pt = b.gep(ap, [c(t)])
+        a = b.fadd(b.load(pt, align=4), b.fmul(f, splat(xdt), flags=("contract",)), flags=("contract",))
+        for g in range(len(o)):
+            xst = b.load(b.gep(xs_, [b.add(b.mul(j, c(n * NT)), c(g * NT + t))]))
+            a = b.fadd(a, b.fmul(o[g], splat(xst), flags=("contract",)), flags=("contract",))
+        b.store(a, pt, align=4)
+
+
+@intrinsic
+def acc_block(typingctx, G, has_m, acc, P, S, O, xq, xd, xs, xb, j):
+    """acc [NT * 16] += x-block j of a slot group (xq, xd, xs, xb: the group's arrays) dotted
+    with the panel (P: codes as uint32 [K/4 * 16], S, O: [K/G * 16]); G (32 or 16) and has_m
+    compile-time constants."""
+    if not (isinstance(G, types.IntegerLiteral) and isinstance(has_m, types.BooleanLiteral)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _emit_block(context, builder, sig, args, G.literal_value, has_m.literal_value)
+        return context.get_dummy_value()
+    return types.void(G, has_m, acc, P, S, O, xq, xd, xs, xb, j), codegen
+
+
+# ---------------------------------------------------------------- x, once per call
+
+@njit(inline="always")
+def _quantize_block(xq, xd, xs, xb, x, j, t, G):
+    """x-block j of slot t (x: the slot's row as float32) into the group's arrays, as
+    quantize_x: amax as the largest |x| bit pattern (vectorizes; a NaN is the largest)."""
+    bits = x.view(np.uint32)
+    amax = np.uint32(0)
+    for i in range(32):
+        a = bits[32 * j + i] & np.uint32(0x7FFFFFFF)
+        amax = a if a > amax else amax
+    d = np.uint32(amax).view(np.float32) / f32(127)
+    inv = f32(1) / d if d > 0 else f32(0)
+    o = (j * NT + t) * 32
+    s0, s1 = np.int32(0), np.int32(0)
+    for i in range(32):
+        q = np.int32(np.rint(x[32 * j + i] * inv))
+        xq[o + i] = q
+        if i < 16:
+            s0 += q
+        else:
+            s1 += q
+    xd[j * NT + t] = d
+    if G == 32:
+        xb[j * NT + t], xs[j * NT + t] = -128 * (s0 + s1), d * f32(s0 + s1)
+    else:
+        xb[2 * j * NT + t], xs[2 * j * NT + t] = -128 * s0, d * f32(s0)
+        xb[(2 * j + 1) * NT + t], xs[(2 * j + 1) * NT + t] = -128 * s1, d * f32(s1)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def prepare_x(x, slot_x, G):
+    """Slot groups of x [N, K] (slot_x [S]: x row of each slot, -1: none; S = groups * NT):
+    xq [groups, K * NT] int8, xd [groups, B * NT], xs, xb [groups, K / G * NT] (see the top)."""
+    K = x.shape[1]
+    B, ng, n_groups = K // 32, K // G, slot_x.shape[0] // NT
+    Xq = np.zeros((n_groups, K * NT), np.int8)
+    Xd = np.zeros((n_groups, B * NT), np.float32)
+    Xs = np.zeros((n_groups, ng * NT), np.float32)
+    Xb = np.zeros((n_groups, ng * NT), np.int32)
+    for grp in prange(n_groups):
+        xq, xd, xs, xb = Xq[grp], Xd[grp], Xs[grp], Xb[grp]
+        for t in range(NT):
+            n = slot_x[grp * NT + t]
+            if n >= 0:
+                row = x[n]
+                for j in range(B):
+                    _quantize_block(xq, xd, xs, xb, row, j, t, G)
+    return Xq, Xd, Xs, Xb
+
+
+# ---------------------------------------------------------------- the product
+
+@njit(inline="always")
+def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
+    """out rows of slots in groups g0..g1 - 1, columns r0..r0 + nr - 1 <- panel . x."""
+    B = Xd.shape[1] // NT
+    for grp in range(g0, g1):
+        acc = carray(_stack_acc(), NT * ROWS)
+        for i in range(NT * ROWS):
+            acc[i] = 0
+        xq, xd, xs, xb = Xq[grp], Xd[grp], Xs[grp], Xb[grp]
+        for j in range(B):
+            acc_block(G, HM, acc, P, S, O, xq, xd, xs, xb, j)
+        for t in range(NT):
+            orow = slot_o[grp * NT + t]
+            if orow >= 0:
+                for i in range(nr):
+                    out[orow, r0 + i] = acc[ROWS * t + i]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def gemm(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs):
+    """out [N, M]: out[slot_o[s]] = dequant(w[e]) @ x of slot s, for the slots of each job
+    (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]."""
+    M = w.shape[1]
+    K = Xq.shape[1] // NT
+    G = group_size(qtype)
+    HM = has_m(qtype)
+    n_panels = (M + ROWS - 1) // ROWS
+    for item in prange(jobs.shape[0] * n_panels):
+        job, p = item // n_panels, item % n_panels
+        e, g0, g1 = jobs[job, 0], jobs[job, 1], jobs[job, 2]
+        r0 = p * ROWS
+        nr = min(ROWS, M - r0)
+        P = np.empty(K // 4 * ROWS, np.uint32)
+        S = np.empty(K // G * ROWS, np.float32)
+        O = np.empty(K // G * ROWS, np.float32)
+        unpack(qtype, P, S, O, w[e], r0, nr)
+        if G == 32 and HM:
+            _panel_groups(32, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        elif G == 32:
+            _panel_groups(32, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        elif HM:
+            _panel_groups(16, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        else:
+            _panel_groups(16, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+
+
+def slots(n):
+    """Slot indices 0..n - 1 padded with -1 to whole groups."""
+    s = np.full((n + NT - 1) // NT * NT, -1, np.int64)
+    s[:n] = np.arange(n)
+    return s
+
+
+def mul_mat(out, w, x, qtype):
+    """out [T, M] = x [T, K] @ dequant(w [M, row_bytes])^T."""
+    T = x.shape[0]
+    s = slots(T)
+    Xq, Xd, Xs, Xb = prepare_x(x, s, group_size(qtype))
+    n_groups = s.shape[0] // NT
+    jobs = np.array([[0, 0, n_groups]], np.int64)
+    gemm(out, w[None], qtype, Xq, Xd, Xs, Xb, s, jobs)
