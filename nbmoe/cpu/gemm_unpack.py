@@ -20,16 +20,19 @@ import numpy as np
 from numba import njit
 
 from .quants import IQ4_TYPES, IQ_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, block32, f32, load_f16, load_u32, u8
+from .quants_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, _iq1_m_d, _iq1_m_sub, _iq1_s_sub,
+                        _iq2_s_sub, _iq2_xs_sub, _iq2_xxs_sub, _iq3_s_sub, _iq3_xxs_sub)
 from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half, xs_scale
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, k_scale_min, q3_scale
+from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
 
 u32 = np.uint32
 LO = u32(0x0F0F0F0F)
 BIAS = u32(0x80808080)
 
 # Types whose scale changes every 16 values; types with a float offset per group.
-PER16 = (Q2_K, Q3_K, Q6_K)
-HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
+PER16 = (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M)
+HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q4_1_R16)
 
 
 @njit(inline="always")
@@ -201,11 +204,98 @@ def _q23_k(P, S, O, w, r0, nr, qt):     # Q2_K scales:16 qs:64 d dmin / Q3_K hma
                         _put(P, r, 8 * j + k, (q | hb) + u32(0x7C7C7C7C))
 
 
+# ---------------------------------------------------------------- grid IQ types
+# quants_iq's sub-block decoders give the 32 values without d * s as integer-valued floats
+# (IQ1: grid + delta, times 8 an integer) and s (or s of each 16 values).
+
+@njit(inline="always")
+def _put_values(P, r, j, v, mult):
+    """Words of sub-block j of row r <- the 32 floats v times mult, as codes + 128."""
+    for k in range(8):
+        word = u32(0)
+        for i in range(4):
+            word |= u32(np.int32(v[4 * k + i] * mult) + 128) << u32(8 * i)
+        _put(P, r, 8 * j + k, word)
+
+
+@njit(cache=True, error_model="numpy")
+def _iq(P, S, O, w, r0, nr, qt):
+    size = (66 if qt == IQ2_XXS else 74 if qt == IQ2_XS else 82 if qt == IQ2_S else 98 if qt == IQ3_XXS
+            else 110 if qt == IQ3_S else 50 if qt == IQ1_S else 56)
+    mult = f32(8) if qt == IQ1_S or qt == IQ1_M else f32(1)
+    for r in range(nr):
+        row = w[r0 + r]
+        for sb in range(row.shape[0] // size):
+            o = sb * size
+            d = (_iq1_m_d(row, o) if qt == IQ1_M else load_f16(row, o)) / mult
+            for ib in range(8):
+                j, v = 8 * sb + ib, block32()
+                s0 = s1 = f32(0)
+                if qt == IQ2_XXS:
+                    s0 = _iq2_xxs_sub(v, row, o + 2 + 8 * ib)
+                elif qt == IQ2_XS:
+                    s0, s1 = _iq2_xs_sub(v, row, o + 2 + 8 * ib, row[o + 66 + ib])
+                elif qt == IQ2_S:
+                    s0, s1 = _iq2_s_sub(v, row, o, ib)
+                elif qt == IQ3_XXS:
+                    s0 = _iq3_xxs_sub(v, row, o, ib)
+                elif qt == IQ3_S:
+                    s0 = _iq3_s_sub(v, row, o, ib)
+                elif qt == IQ1_S:
+                    s0 = _iq1_s_sub(v, row, o, ib)
+                else:
+                    s0, s1 = _iq1_m_sub(v, row, o, ib)
+                if qt == IQ2_XS or qt == IQ2_S or qt == IQ1_M:
+                    S[16 * (2 * j) + r], S[16 * (2 * j + 1) + r] = d * s0, d * s1
+                else:
+                    S[16 * j + r] = d * s0
+                _put_values(P, r, j, v, mult)
+
+
+# ---------------------------------------------------------------- repacked (-rtr) groups
+# quants_rtr's layout of 16 rows: qs [B][4 or 8][16][4] then scales [B][16] f16 (Q4_1: d 16 |
+# m 16): the codes already lie as the panel's words; a panel = a group (the tail rows past the
+# last group keep the GGUF layout and take the base type's unpack).
+
+@njit(cache=True, error_model="numpy")
+def _r16(P, S, O, w, r0, qt):
+    rb = w.shape[1]
+    flat = w.reshape(w.shape[0] * rb)
+    grp = flat[r0 * rb:(r0 + GROUP) * rb]
+    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    qb, sb = (512, 32) if qt == Q8_0 else (256, 64 if qt == Q4_1 else 32)
+    B = rb // size
+    add = u32(0x78787878) if qt == Q4_0 else BIAS
+    for b in range(B):
+        sc = B * qb + b * sb
+        for r in range(16):
+            S[16 * b + r] = load_f16(grp, sc + 2 * r)
+            if qt == Q4_1:
+                O[16 * b + r] = load_f16(grp, sc + 32 + 2 * r)
+        for k in range(qb // 64):
+            for r in range(16):
+                q = load_u32(grp, b * qb + 64 * k + 4 * r)
+                if qt == Q8_0:
+                    _put(P, r, 8 * b + k, q)
+                else:
+                    _put(P, r, 8 * b + k, (q & LO) + add)
+                    _put(P, r, 8 * b + 4 + k, ((q >> u32(4)) & LO) + add)
+
+
 # ---------------------------------------------------------------- dispatch
+
+@njit(inline="always")
+def unpack_base(qtype, P, S, O, w, r0, nr):
+    if qtype == Q4_0 or qtype == Q4_1:
+        _q4(P, S, O, w, r0, nr, qtype)
+    elif qtype == Q8_0:
+        _q8_0(P, S, O, w, r0, nr)
+
 
 @njit(cache=True, error_model="numpy")
 def unpack(qtype, P, S, O, w, r0, nr):
-    """The panel (P, S, O) <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded."""
+    """The panel (P, S, O) <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded;
+    repacked (R16) w: r0 a multiple of 16."""
     if qtype == Q4_0 or qtype == Q4_1:
         _q4(P, S, O, w, r0, nr, qtype)
     elif qtype == Q8_0:
@@ -220,6 +310,13 @@ def unpack(qtype, P, S, O, w, r0, nr):
         _q23_k(P, S, O, w, r0, nr, qtype)
     elif qtype in IQ4_TYPES:
         _iq4(P, S, O, w, r0, nr, qtype)
+    elif qtype in IQ_TYPES:
+        _iq(P, S, O, w, r0, nr, qtype)
+    elif qtype in R16_TYPES:
+        if nr == GROUP:
+            _r16(P, S, O, w, r0, base_of(qtype))
+        else:    # the tail rows, in the GGUF layout
+            unpack_base(base_of(qtype), P, S, O, w, r0, nr)
     for r in range(nr, 16):
         for k in range(P.shape[0] // 16):
             P[16 * k + r] = BIAS
