@@ -25,6 +25,7 @@ Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a s
 weight vectors loaded once. Loop order: panel outer (unpacked once, L1/L2), slot groups,
 x-blocks. Parallel over (job, panel) work items; a job = one matrix and a run of slot groups.
 """
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
@@ -205,18 +206,58 @@ def gemm(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs):
             _panel_groups(16, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
 
 
-def slots(n):
-    """Slot indices 0..n - 1 padded with -1 to whole groups."""
-    s = np.full((n + NT - 1) // NT * NT, -1, np.int64)
-    s[:n] = np.arange(n)
-    return s
+def _jobs(n_groups, n_panels, n_threads):
+    """Jobs of one matrix: its slot groups split in runs when there are few panels, so that
+    every thread gets work (a run of >= 4 groups: the panel's unpacking is paid per run)."""
+    runs = max(1, min(n_groups // 4, -(-4 * n_threads // n_panels)))
+    edges = np.linspace(0, n_groups, runs + 1).astype(np.int64)
+    return np.stack([np.zeros(runs, np.int64), edges[:-1], edges[1:]], 1)
 
 
 def mul_mat(out, w, x, qtype):
     """out [T, M] = x [T, K] @ dequant(w [M, row_bytes])^T."""
     T = x.shape[0]
-    s = slots(T)
+    s = np.full((T + NT - 1) // NT * NT, -1, np.int64)
+    s[:T] = np.arange(T)
     Xq, Xd, Xs, Xb = prepare_x(x, s, group_size(qtype))
-    n_groups = s.shape[0] // NT
-    jobs = np.array([[0, 0, n_groups]], np.int64)
+    jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, numba.get_num_threads())
     gemm(out, w[None], qtype, Xq, Xd, Xs, Xb, s, jobs)
+
+
+@njit(cache=True, error_model="numpy")
+def _expert_slots(ids, X, order, start, min_pairs):
+    """Slots of the experts chosen by >= min_pairs (token, expert) pairs, each expert's run
+    padded to whole groups: x rows (t * X + a or t * X), out rows t * A + a, and jobs."""
+    A, E = ids.shape[1], start.shape[0] - 1
+    n_slots, n_jobs = 0, 0
+    for e in range(E):
+        n = start[e + 1] - start[e]
+        if n >= min_pairs:
+            n_slots += (n + NT - 1) // NT * NT
+            n_jobs += 1
+    slot_x = np.full(n_slots, -1, np.int64)
+    slot_o = np.full(n_slots, -1, np.int64)
+    jobs = np.empty((n_jobs, 3), np.int64)
+    s, j = 0, 0
+    for e in range(E):
+        n = start[e + 1] - start[e]
+        if n >= min_pairs:
+            for i in range(n):
+                p = order[start[e] + i]
+                slot_x[s + i] = p // A * X + (p % A if X == A else 0)
+                slot_o[s + i] = p
+            jobs[j, 0], jobs[j, 1], jobs[j, 2] = e, s // NT, (s + n + NT - 1) // NT
+            s += (n + NT - 1) // NT * NT
+            j += 1
+    return slot_x, slot_o, jobs
+
+
+def mul_mat_id(out, w, x, ids, qtype, order, start, min_pairs):
+    """out [T, A, M]: the pairs of experts chosen by >= min_pairs pairs (order, start: the pairs
+    sorted by expert, matmul._group_by_expert) = dequant(w [E, M, row_bytes][e]) @ x [T, X, K]."""
+    T, X, K = x.shape
+    slot_x, slot_o, jobs = _expert_slots(ids, X, order, start, min_pairs)
+    if jobs.shape[0] == 0:
+        return
+    Xq, Xd, Xs, Xb = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
+    gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs)

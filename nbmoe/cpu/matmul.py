@@ -31,6 +31,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_0, Q4_1, Q8_0
 from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x
@@ -54,6 +55,10 @@ ITEM_BYTES = 64 << 10
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
 # are no faster, so they stay off there. Checked once per call in Python, so tests can flip it.
 INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "1") == "1"
+# Batched products (T >= BLAS_MIN_T) of the types on the integer path by gemm_i8 (AVX-512 VNNI,
+# Numba's threads) instead of dequantize + BLAS: ~2-4x faster, and no OpenBLAS thread pool left
+# spinning against Numba's. NBMOE_GEMM_I8=0 turns it off (dequantize + BLAS, as without VNNI).
+GEMM_I8 = HAS_VNNI and os.environ.get("NBMOE_GEMM_I8", "1") == "1"
 
 
 def is_supported(qtype):
@@ -75,6 +80,11 @@ def row_values(qtype, row_bytes):
 def _int8(qtype):
     """Integer dots: the block types with INT8_DOT on; repacked weights always."""
     return qtype in BASE or (INT8_DOT and qtype in INT8_TYPES)
+
+
+def batched_int8(qtype):
+    """Whether T >= BLAS_MIN_T tokens take gemm_i8 (else dequantize + BLAS)."""
+    return GEMM_I8 and _int8(int(qtype))
 
 
 # ---------------------------------------------------------------- per-token x extras
@@ -221,6 +231,8 @@ def mul_mat(out, w, x, qtype):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T."""
     if x.shape[0] < BLAS_MIN_T:
         _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
+    elif batched_int8(qtype):
+        gemm_i8.mul_mat(out, w, x, qtype)
     else:
         _mul_mat_blas(out, w, x, qtype)
 
@@ -286,6 +298,9 @@ def mul_mat_id(out, w, x, ids, qtype):
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
     _mul_mat_id_vec(out, w, x, ids, qtype, BLAS_MIN_T, _int8(qtype), ITEM_ROWS)  # experts with few tokens
+    if batched_int8(qtype):
+        gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, BLAS_MIN_T)
+        return
     for e in np.flatnonzero(np.diff(start) >= BLAS_MIN_T):
         pairs = order[start[e]:start[e + 1]]
         t, a = pairs // A, pairs % A
