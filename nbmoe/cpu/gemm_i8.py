@@ -29,6 +29,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .gemm_unpack import group_size, has_m, unpack
@@ -37,6 +38,7 @@ from .quants_int8 import _dot4_init, quantize_x
 from .simd import F32, I32, I64, vec
 
 NT = 8          # slots per group
+u64 = np.uint64
 ROWS = 16       # rows per panel
 
 _stack_acc = stack_f32(NT * ROWS)
@@ -109,26 +111,41 @@ def acc_block(typingctx, G, has_m, acc, P, S, O, xq, xd, xs, xb, j):
 
 # ---------------------------------------------------------------- x, once per call
 
+@intrinsic
+def _round32(typingctx, xq, o, x, xo, inv):
+    """xq[o:o + 32] = rint(x[xo:xo + 32] * inv) as int8 (as quantize_x, in vectors); returns
+    the sums of the first and the last 16 codes."""
+    def codegen(context, b, sig, args):
+        q_, o, x_, xo, inv = args
+        xv = b.load(b.bitcast(b.gep(context.make_array(sig.args[2])(context, b, x_).data, [xo]),
+                              vec(F32, 32).as_pointer()), align=4)
+        one = b.insert_element(ir.Constant(vec(F32, 32), None), inv, ir.Constant(I32, 0))
+        scaled = b.fmul(xv, b.shuffle_vector(one, one, ir.Constant(vec(I32, 32), None)))
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(vec(F32, 32), [vec(F32, 32)]),
+                                              "llvm.rint.v32f32")
+        q = b.fptosi(b.call(rint, [scaled]), vec(I32, 32))
+        qp = b.gep(context.make_array(sig.args[0])(context, b, q_).data, [o])
+        b.store(b.trunc(q, vec(ir.IntType(8), 32)), b.bitcast(qp, vec(ir.IntType(8), 32).as_pointer()), align=1)
+        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(I32, [vec(I32, 16)]),
+                                             "llvm.vector.reduce.add.v16i32")
+        halves = [b.call(red, [b.shuffle_vector(q, q, ir.Constant(vec(I32, 16), list(range(h, h + 16))))])
+                  for h in (0, 16)]
+        return context.make_tuple(b, sig.return_type, halves)
+    return types.UniTuple(types.int32, 2)(xq, o, x, xo, inv), codegen
+
+
 @njit(inline="always")
-def _quantize_block(xq, xd, xs, xb, x, j, t, G):
-    """x-block j of slot t (x: the slot's row as float32) into the group's arrays, as
-    quantize_x: amax as the largest |x| bit pattern (vectorizes; a NaN is the largest)."""
-    bits = x.view(np.uint32)
-    amax = np.uint32(0)
+def _quantize_block(xq, xd, xs, xb, x, bits, j, t, G):
+    """x-block j of slot t (x: the slot's row, bits: the same as uint32) into the group's
+    arrays, as quantize_x: amax as the largest |x| bit pattern (a NaN is larger than any
+    number: it sticks, as in quantize_x). Unsigned indices: no negative-index fix-ups."""
+    amax = u64(0)
     for i in range(32):
-        a = bits[32 * j + i] & np.uint32(0x7FFFFFFF)
+        a = u64(bits[u64(32 * j + i)] & np.uint32(0x7FFFFFFF))
         amax = a if a > amax else amax
     d = np.uint32(amax).view(np.float32) / f32(127)
     inv = f32(1) / d if d > 0 else f32(0)
-    o = (j * NT + t) * 32
-    s0, s1 = np.int32(0), np.int32(0)
-    for i in range(32):
-        q = np.int32(np.rint(x[32 * j + i] * inv))
-        xq[o + i] = q
-        if i < 16:
-            s0 += q
-        else:
-            s1 += q
+    s0, s1 = _round32(xq, (j * NT + t) * 32, x, 32 * j, inv)
     xd[j * NT + t] = d
     if G == 32:
         xb[j * NT + t], xs[j * NT + t] = -128 * (s0 + s1), d * f32(s0 + s1)
@@ -153,8 +170,9 @@ def prepare_x(x, slot_x, G):
             n = slot_x[grp * NT + t]
             if n >= 0:
                 row = x[n]
+                bits = row.view(np.uint32)
                 for j in range(B):
-                    _quantize_block(xq, xd, xs, xb, row, j, t, G)
+                    _quantize_block(xq, xd, xs, xb, row, bits, j, t, G)
     return Xq, Xd, Xs, Xb
 
 
