@@ -9,26 +9,35 @@ Rows past the matrix's end are zero codes (byte 128) with S = O = 0.
 Codes, per type (block layouts: quants.py, quants_k.py, quants_iq4.py, quants_iq.py):
   Q4_0 q - 8   Q5_0 q - 16   Q8_0 q     Q4_1, Q5_1 q (+ O = m)
   Q2_K, Q4_K, Q5_K q (S = d sc, O = -dmin m)   Q3_K q - 4, Q6_K q - 32 (S = d sc, per 16)
-  IQ4_NL, IQ4_XS, MXFP4  the table level of q
+  IQ4_NL, IQ4_XS, MXFP4  the table level of q (vpshufb)
   grid IQ types  grid value * sign (IQ1: 8 (grid + delta), S = d s / 8)
 Signed codes to c + 128 a word at a time: + 0x78787878 turns nibbles q into q - 8 + 128.
 
-Work is scalar, a 32-bit word (4 codes) at a time, row by row; a panel is unpacked once per
-work item and then used by every slot group of the item (gemm_i8), so it is a small share.
+How: one intrinsic call per block (32 or 256 values) of the 16 rows, in LLVM IR. A 32-bit
+word of a block holds 4 codes of one row; Rows.words loads 1-4 words of each of the 16 rows
+and transposes them (16 x 4 -> 4 x 16: a vpermd per 4 rows, then 128-bit lane shuffles) so
+that lane r of a <16 x i32> is row r: the bit fiddling of a type is then the scalar word
+code of ggml / the CUDA integer decoders (cuda/quants*.py idec), 16 rows at a time, and every
+result is one panel vector. (Gathers: ~40 cycles each on the Cascade Lake VM, 4x slower.)
+Repacked -rtr groups already hold a panel's words side by side: plain vector loads. The grid
+IQ types go a row at a time through quants_iq's sub-block decoders (floats to bytes), slower.
 """
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .quants import IQ4_TYPES, IQ_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, block32, f32, load_f16, load_u32, u8
+from .quants import IQ_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, block32, f32, load_f16
 from .quants_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, _iq1_m_d, _iq1_m_sub, _iq1_s_sub,
                         _iq2_s_sub, _iq2_xs_sub, _iq2_xxs_sub, _iq3_s_sub, _iq3_xxs_sub)
-from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half, xs_scale
-from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, k_scale_min, q3_scale
-from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
+from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4
+from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from .quants_rtr import GROUP, Q4_0_R16, Q4_1_R16, Q8_0_R16, R16_TYPES, base_of
+from .simd import F32, I8, I16, I32, I64, const, vec
 
 u32 = np.uint32
-LO = u32(0x0F0F0F0F)
-BIAS = u32(0x80808080)
+LO, BIAS = 0x0F0F0F0F, 0x80808080
 
 # Types whose scale changes every 16 values; types with a float offset per group.
 PER16 = (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M)
@@ -45,163 +54,313 @@ def has_m(qtype):
     return qtype in HAS_M
 
 
-@njit(inline="always")
-def _put(P, r, k, word):
-    """Word k (values 4k..4k+3) of panel row r."""
-    P[16 * k + r] = word
+# ---------------------------------------------------------------- IR helpers
+
+class Rows:
+    """One block (`size` bytes, `values` values, G per scale) of the panel's 16 rows: loads
+    from the rows (byte offsets roff [16] into w), stores to the block's part of P, S, O."""
+
+    def __init__(self, context, b, sig, args, size, values, G):
+        _, P, S, O, w, roff, blk = args
+        self.b = b
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+
+        ro, base = data(5), b.mul(blk, self.c(size))
+        self.rows = [b.gep(data(4), [b.add(b.load(b.gep(ro, [self.c(r)])), base)]) for r in range(16)]
+        self.P = b.gep(data(1), [b.mul(blk, self.c(values * 4))])
+        self.S, self.O = (b.gep(data(i), [b.mul(blk, self.c(values // G * 16))]) for i in (2, 3))
+
+    @staticmethod
+    def c(v, t=I64):
+        return ir.Constant(t, v)
+
+    def k(self, v):
+        """A <16 x i32> constant."""
+        return const(I32, [v] * 16)
+
+    def _each(self, off, ty):
+        return [self.b.load(self.b.bitcast(self.b.gep(p, [self.c(off)]), ty.as_pointer()), align=1)
+                for p in self.rows]
+
+    def _lanes(self, scalars):
+        v = ir.Constant(vec(scalars[0].type, 16), None)
+        for r, s in enumerate(scalars):
+            v = self.b.insert_element(v, s, ir.Constant(I32, r))
+        return v
+
+    def _shuffle(self, a, b, idx):
+        return self.b.shuffle_vector(a, b, const(I32, idx))
+
+    def words(self, off, n):
+        """[n x <16 x i32>]: words off + 4i (i < n <= 4) of the block, lane r = row r."""
+        if n == 1:
+            return [self._lanes(self._each(off, I32))]
+        rows = [self._shuffle(v, v, list(range(n)) + [0] * (4 - n)) for v in self._each(off, vec(I32, n))]
+        lanes = []                                       # per 4 rows: [w0 of the 4 | w1 | w2 | w3]
+        for g in range(4):
+            r = rows[4 * g:4 * g + 4]
+            q = self._shuffle(self._shuffle(r[0], r[1], range(8)), self._shuffle(r[2], r[3], range(8)), range(16))
+            lanes.append(self._shuffle(q, q, [4 * j + i for i in range(4) for j in range(4)]))
+
+        def pick(x, y, lx, ly):                          # 128-bit lanes lx of x, then ly of y
+            return self._shuffle(x, y, [4 * lane + i for lane in lx for i in range(4)]
+                                 + [16 + 4 * lane + i for lane in ly for i in range(4)])
+        lo01, hi01 = pick(lanes[0], lanes[1], (0, 1), (0, 1)), pick(lanes[0], lanes[1], (2, 3), (2, 3))
+        lo23, hi23 = pick(lanes[2], lanes[3], (0, 1), (0, 1)), pick(lanes[2], lanes[3], (2, 3), (2, 3))
+        return [pick(lo01, lo23, (0, 2), (0, 2)), pick(lo01, lo23, (1, 3), (1, 3)),
+                pick(hi01, hi23, (0, 2), (0, 2)), pick(hi01, hi23, (1, 3), (1, 3))][:n]
+
+    def half(self, off):
+        """<16 x float>: the f16 at byte off of each row's block."""
+        h = self.b.bitcast(self._lanes(self._each(off, I16)), vec(ir.HalfType(), 16))
+        return self.b.fpext(h, vec(F32, 16))
+
+    def byte(self, off):
+        return self.b.zext(self._lanes(self._each(off, I8)), vec(I32, 16))
+
+    # -- word ops (<16 x i32>, constants as ints)
+    def and_(self, v, m):
+        return self.b.and_(v, self.k(m))
+
+    def or_(self, *vs):
+        out = vs[0]
+        for v in vs[1:]:
+            out = self.b.or_(out, v if isinstance(v, ir.Value) else self.k(v))
+        return out
+
+    def add(self, v, m):
+        return self.b.add(v, self.k(m))
+
+    def shr(self, v, s):
+        return self.b.lshr(v, self.k(s)) if s else v
+
+    def shl(self, v, s):
+        return self.b.shl(v, self.k(s)) if s else v
+
+    def bits(self, v, s, m):
+        """(v >> s) & m."""
+        return self.and_(self.shr(v, s), m)
+
+    def float(self, v):
+        return self.b.sitofp(v, vec(F32, 16))
+
+    def lut(self, v, table):
+        """Each byte of v (0..15) -> table[byte] + 128 (vpshufb)."""
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(vec(I8, 64), [vec(I8, 64)] * 2),
+                                            "llvm.x86.avx512.pshuf.b.512")
+        tab = const(I8, [(int(t) + 128) & 255 for t in table] * 4)
+        return self.b.bitcast(self.b.call(fn, [tab, self.b.bitcast(v, vec(I8, 64))]), vec(I32, 16))
+
+    # -- stores
+    def put(self, k, v):
+        """Panel vector k of the block (values 4k..4k + 3 of the 16 rows)."""
+        self.b.store(v, self.b.bitcast(self.b.gep(self.P, [self.c(16 * k)]), v.type.as_pointer()), align=4)
+
+    def scale(self, g, v, offset=None):
+        """S (and O) of group g of the block."""
+        for base, x in ((self.S, v), (self.O, offset)):
+            if x is not None:
+                self.b.store(x, self.b.bitcast(self.b.gep(base, [self.c(16 * g)]), x.type.as_pointer()), align=4)
 
 
-@njit(inline="always")
-def _spread4(h):
-    """Bits 0..3 of h to bit 4 of bytes 0..3 (the 5th bits of 4 Q5 codes, as 16s)."""
-    return (((h & u32(1)) << u32(4)) | ((h & u32(2)) << u32(11))
-            | ((h & u32(4)) << u32(18)) | ((h & u32(8)) << u32(25)))
+# ---------------------------------------------------------------- IR bodies, one per type
+# Byte offsets within the block; layouts in quants.py, quants_k.py, quants_iq4.py.
+
+def _nibble_pairs(e, ws, kbase, codes):
+    """Words ws of 4 + 4 nibbles (low: values 4k.., high: 16 + 4k..) -> panel vectors."""
+    for k, q in enumerate(ws):
+        e.put(kbase + k, codes(e.and_(q, LO), k, 0))
+        e.put(kbase + 4 + k, codes(e.bits(q, 4, LO), k, 1))
 
 
-# ---------------------------------------------------------------- 32-value blocks
-
-@njit(cache=True, error_model="numpy")
-def _q4(P, S, O, w, r0, nr, qt):        # Q4_0  d:f16 qs:16 / Q4_1  d:f16 m:f16 qs:16
-    size, qo = (18, 2) if qt == Q4_0 else (20, 4)
-    add = u32(0x78787878) if qt == Q4_0 else BIAS
-    for r in range(nr):
-        row = w[r0 + r]
-        for j in range(row.shape[0] // size):
-            o = j * size
-            S[16 * j + r] = load_f16(row, o)
-            if qt == Q4_1:
-                O[16 * j + r] = load_f16(row, o + 2)
-            for k in range(4):
-                q = load_u32(row, o + qo + 4 * k)
-                _put(P, r, 8 * j + k, (q & LO) + add)
-                _put(P, r, 8 * j + 4 + k, ((q >> u32(4)) & LO) + add)
+def _q4_0(e):                                   # d:f16 qs:16
+    e.scale(0, e.half(0))
+    _nibble_pairs(e, e.words(2, 4), 0, lambda q, k, h: e.add(q, 0x78787878))
 
 
-@njit(cache=True, error_model="numpy")
-def _q5(P, S, O, w, r0, nr, qt):        # Q5_0  d:f16 qh:4 qs:16 / Q5_1  d:f16 m:f16 qh:4 qs:16
-    size, ho = (22, 2) if qt == Q5_0 else (24, 4)
-    add = u32(0x70707070) if qt == Q5_0 else BIAS
-    for r in range(nr):
-        row = w[r0 + r]
-        for j in range(row.shape[0] // size):
-            o = j * size
-            S[16 * j + r] = load_f16(row, o)
-            if qt == Q5_1:
-                O[16 * j + r] = load_f16(row, o + 2)
-            qh = load_u32(row, o + ho)
-            for k in range(4):
-                q = load_u32(row, o + ho + 4 + 4 * k)
-                _put(P, r, 8 * j + k, ((q & LO) | _spread4(qh >> u32(4 * k))) + add)
-                _put(P, r, 8 * j + 4 + k, (((q >> u32(4)) & LO) | _spread4(qh >> u32(16 + 4 * k))) + add)
+def _q4_1(e):                                   # d:f16 m:f16 qs:16
+    e.scale(0, e.half(0), e.half(2))
+    _nibble_pairs(e, e.words(4, 4), 0, lambda q, k, h: e.or_(q, BIAS))
 
 
-@njit(cache=True, error_model="numpy")
-def _q8_0(P, S, O, w, r0, nr):          # d:f16 qs:32 int8
-    for r in range(nr):
-        row = w[r0 + r]
-        for j in range(row.shape[0] // 34):
-            S[16 * j + r] = load_f16(row, j * 34)
-            for k in range(8):
-                _put(P, r, 8 * j + k, load_u32(row, j * 34 + 2 + 4 * k) ^ BIAS)
+def _spread4(e, h):
+    """Bits 0..3 of h to bit 4 of bytes 0..3 (4 codes' 5th bits, as 16s)."""
+    return e.or_(e.shl(e.and_(h, 1), 4), e.shl(e.and_(h, 2), 11), e.shl(e.and_(h, 4), 18), e.shl(e.and_(h, 8), 25))
 
 
-@njit(inline="always")
-def _levels(kv, q):
-    """The 4 nibbles q (one a byte) as their table levels kv[q] + 128, one a byte."""
-    out = u32(0)
-    for i in range(4):
-        out |= u32(np.int32(kv[(q >> u32(8 * i)) & u32(15)]) + 128) << u32(8 * i)
+def _q5(e, m):                                  # d:f16 (m:f16) qh:4 qs:16
+    o = 4 if m else 2
+    e.scale(0, e.half(0), e.half(2) if m else None)
+    qh = e.words(o, 1)[0]
+    _nibble_pairs(e, e.words(o + 4, 4), 0, lambda q, k, h: e.add(e.or_(q, _spread4(e, e.shr(qh, 16 * h + 4 * k))),
+                                                                BIAS if m else 0x70707070))
+
+
+def _q8_0(e):                                   # d:f16 qs:32
+    e.scale(0, e.half(0))
+    for h in range(2):
+        for k, q in enumerate(e.words(2 + 16 * h, 4)):
+            e.put(4 * h + k, e.b.xor(q, e.k(BIAS)))
+
+
+def _iq4_nl(e, mx):                             # IQ4_NL d:f16 qs:16 / MXFP4 e:u8 qs:16
+    if mx:                                      # 2**(e - 128) as quants_iq4.e8m0_half
+        x = e.byte(0)
+        small = e.b.icmp_unsigned("<", x, e.k(2))
+        bits = e.b.select(small, e.b.shl(e.k(0x00200000), x), e.shl(e.b.sub(x, e.k(1)), 23))
+        e.scale(0, e.b.bitcast(bits, vec(F32, 16)))
+    else:
+        e.scale(0, e.half(0))
+    table = KV_MXFP4 if mx else KV_IQ4
+    _nibble_pairs(e, e.words(1 if mx else 2, 4), 0, lambda q, k, h: e.lut(q, table))
+
+
+def _iq4_xs(e):                                 # d:f16 scales_h:u16 scales_l:4 qs:128
+    d, sh, sl = e.half(0), e.shr(e.words(0, 1)[0], 16), e.words(4, 1)[0]
+    for i in range(8):
+        ls = e.or_(e.bits(sl, 4 * i, 15), e.shl(e.bits(sh, 2 * i, 3), 4))
+        e.scale(i, e.b.fmul(d, e.float(e.add(ls, -32))))
+        _nibble_pairs(e, e.words(8 + 16 * i, 4), 8 * i, lambda q, k, h: e.lut(q, KV_IQ4))
+
+
+def _k_scales(e, d, dmin):
+    """Q4_K / Q5_K: sub-block j's (d sc_j, -dmin m_j) from the 12 scale bytes at 4."""
+    s0, s1, s2 = e.words(4, 3)
+    out = []
+    for j in range(8):
+        if j < 4:
+            sc, m = e.bits(s0, 8 * j, 63), e.bits(s1, 8 * j, 63)
+        else:
+            b2, t = e.shr(s2, 8 * (j - 4)), 8 * (j - 4) + 6
+            sc = e.or_(e.and_(b2, 15), e.shl(e.bits(s0, t, 3), 4))
+            m = e.or_(e.bits(b2, 4, 15), e.shl(e.bits(s1, t, 3), 4))
+        out.append((e.b.fmul(d, e.float(sc)), e.b.fmul(dmin, e.float(m))))
     return out
 
 
-@njit(cache=True, error_model="numpy")
-def _iq4(P, S, O, w, r0, nr, qt):       # IQ4_NL d:f16 qs:16 / MXFP4 e:u8 qs:16 / IQ4_XS (super-blocks)
-    kv = KV_MXFP4 if qt == MXFP4 else KV_IQ4
-    for r in range(nr):
-        row = w[r0 + r]
-        if qt == IQ4_XS:
-            for sb in range(row.shape[0] // 136):
-                d = load_f16(row, sb * 136)
-                for i in range(8):
-                    j, q0 = 8 * sb + i, sb * 136 + 8 + 16 * i
-                    S[16 * j + r] = d * xs_scale(row, sb * 136, i)
-                    for k in range(4):
-                        q = load_u32(row, q0 + 4 * k)
-                        _put(P, r, 8 * j + k, _levels(kv, q & LO))
-                        _put(P, r, 8 * j + 4 + k, _levels(kv, (q >> u32(4)) & LO))
+def _q45_k(e, five):                            # d dmin scales:12 (qh:32) qs:128
+    d, dmin = e.half(0), e.b.fneg(e.half(2))
+    for j, (s, o) in enumerate(_k_scales(e, d, dmin)):
+        e.scale(j, s, o)
+    qh = e.words(16, 4) + e.words(32, 4) if five else None
+    for c in range(4):                          # sub-blocks 2c (low nibbles), 2c + 1 (high)
+        ws = e.words((48 if five else 16) + 32 * c, 4) + e.words((64 if five else 32) + 32 * c, 4)
+        for k, q in enumerate(ws):
+            for h in range(2):
+                code = e.bits(q, 4 * h, LO)
+                if five:
+                    code = e.or_(code, e.shl(e.bits(qh[k], 2 * c + h, 0x01010101), 4))
+                e.put(8 * (2 * c + h) + k, e.or_(code, BIAS))
+
+
+def _q6_k(e):                                   # ql:128 qh:64 scales:16 int8 d:f16
+    d = e.half(208)
+    for i, w in enumerate(e.words(192, 4)):     # group 4i + n: byte n, signed
+        for n in range(4):
+            sc = e.b.ashr(e.shl(w, 24 - 8 * n), e.k(24))
+            e.scale(4 * i + n, e.b.fmul(d, e.float(sc)))
+    for h in range(2):
+        qh = e.words(128 + 32 * h, 4) + e.words(144 + 32 * h, 4)
+        for half in range(2):                   # sub-blocks 4h + half (low nibbles), 4h + 2 + half
+            ql = e.words(64 * h + 32 * half, 4) + e.words(64 * h + 32 * half + 16, 4)
+            for n in range(2):
+                p = 4 * h + 2 * n + half
+                for k in range(8):
+                    code = e.or_(e.bits(ql[k], 4 * n, LO), e.shl(e.bits(qh[k], 2 * (p % 4), 0x03030303), 4))
+                    e.put(8 * p + k, e.add(code, 0x60606060))
+
+
+def _q23_k(e, three):                           # Q2_K scales:16 qs:64 d dmin / Q3_K hmask:32 qs:64 scales:12 d
+    if three:
+        d = e.half(108)
+        sw = e.words(96, 3)
+        for g in range(16):                     # low 4 bits: nibble g // 8 of byte g % 8; top 2: byte 8 + g % 4
+            lo = e.bits(sw[g % 8 // 4], 8 * (g % 4) + 4 * (g // 8), 15)
+            hi = e.bits(sw[2], 8 * (g % 4) + 2 * (g // 4), 3)
+            e.scale(g, e.b.fmul(d, e.float(e.add(e.or_(lo, e.shl(hi, 4)), -32))))
+        hm = e.words(0, 4) + e.words(16, 4)
+    else:
+        d, dmin = e.half(80), e.b.fneg(e.half(82))
+        for i, w in enumerate(e.words(0, 4)):
+            for n in range(4):
+                e.scale(4 * i + n, e.b.fmul(d, e.float(e.bits(w, 8 * n, 15))),
+                        e.b.fmul(dmin, e.float(e.bits(w, 8 * n + 4, 15))))
+    qo = 32 if three else 16
+    for h in range(2):
+        qs = e.words(qo + 32 * h, 4) + e.words(qo + 32 * h + 16, 4)
+        for s in range(4):
+            p = 4 * h + s
+            for k in range(8):
+                q = e.bits(qs[k], 2 * s, 0x03030303)
+                if three:                       # q - 4 + 4 * hmask bit + 128
+                    e.put(8 * p + k, e.add(e.or_(q, e.shl(e.bits(hm[k], p, 0x01010101), 2)), 0x7C7C7C7C))
+                else:
+                    e.put(8 * p + k, e.or_(q, BIAS))
+
+
+# qtype -> (body, block bytes, block values)
+BODIES = {
+    Q4_0: (_q4_0, 18, 32), Q4_1: (_q4_1, 20, 32), Q5_0: (lambda e: _q5(e, False), 22, 32),
+    Q5_1: (lambda e: _q5(e, True), 24, 32), Q8_0: (_q8_0, 34, 32),
+    IQ4_NL: (lambda e: _iq4_nl(e, False), 18, 32), MXFP4: (lambda e: _iq4_nl(e, True), 17, 32),
+    IQ4_XS: (_iq4_xs, 136, 256), Q4_K: (lambda e: _q45_k(e, False), 144, 256),
+    Q5_K: (lambda e: _q45_k(e, True), 176, 256), Q6_K: (_q6_k, 210, 256),
+    Q2_K: (lambda e: _q23_k(e, False), 84, 256), Q3_K: (lambda e: _q23_k(e, True), 110, 256),
+}
+
+
+@intrinsic
+def unpack_block(typingctx, qt, P, S, O, w, roff, blk):
+    """Block blk of the 16 rows at byte offsets roff [16] of w's data into the panel (P, S, O);
+    qt a compile-time constant (a type of BODIES)."""
+    if not isinstance(qt, types.IntegerLiteral):
+        return None
+    body, size, values = BODIES[qt.literal_value]
+    G = 16 if qt.literal_value in PER16 else 32
+
+    def codegen(context, b, sig, args):
+        body(Rows(context, b, sig, args, size, values, G))
+        return context.get_dummy_value()
+    return types.void(qt, P, S, O, w, roff, blk), codegen
+
+
+@intrinsic
+def unpack_r16(typingctx, qt, P, S, O, w, o, B, blk):
+    """Block blk of the repacked group at byte o of w's data (quants_rtr: qs [B][4 or 8][16][4]
+    then scales [B][16] f16, Q4_1 [B][d 16 | m 16]) into the panel; qt the base type, constant."""
+    if not isinstance(qt, types.IntegerLiteral):
+        return None
+    base = qt.literal_value
+    qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 32)
+
+    def codegen(context, b, sig, args):
+        _, P, S, O, w, o, B, blk = args
+        e = Rows.__new__(Rows)
+        e.b, c = b, Rows.c
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+        e.P = b.gep(data(1), [b.mul(blk, c(128))])
+        e.S, e.O = (b.gep(data(i), [b.mul(blk, c(16))]) for i in (2, 3))
+        qs = b.gep(data(4), [b.add(o, b.mul(blk, c(qb)))])
+        sc = b.gep(data(4), [b.add(o, b.add(b.mul(B, c(qb)), b.mul(blk, c(sb))))])
+
+        def load(p, off, ty):
+            return b.load(b.bitcast(b.gep(p, [c(off)]), ty.as_pointer()), align=1)
+
+        def halfs(off):
+            return b.fpext(load(sc, off, vec(ir.HalfType(), 16)), vec(F32, 16))
+        e.scale(0, halfs(0), halfs(32) if base == Q4_1 else None)
+        if base == Q8_0:                         # stored w ^ 0x80 already
+            for k in range(8):
+                e.put(k, load(qs, 64 * k, vec(I32, 16)))
         else:
-            size, qo = (17, 1) if qt == MXFP4 else (18, 2)
-            for j in range(row.shape[0] // size):
-                S[16 * j + r] = e8m0_half(row[j * 17]) if qt == MXFP4 else load_f16(row, j * 18)
-                for k in range(4):
-                    q = load_u32(row, j * size + qo + 4 * k)
-                    _put(P, r, 8 * j + k, _levels(kv, q & LO))
-                    _put(P, r, 8 * j + 4 + k, _levels(kv, (q >> u32(4)) & LO))
-
-
-# ---------------------------------------------------------------- K-quants (256-value super-blocks)
-# Sub-block p (values 32p..32p + 31, h = p // 4): layouts and bit positions in quants_k.py.
-
-@njit(cache=True, error_model="numpy")
-def _q45_k(P, S, O, w, r0, nr, qt):     # Q4_K d dmin scales:12 qs:128 / Q5_K ... qh:32 qs:128
-    size, qo = (144, 16) if qt == Q4_K else (176, 48)
-    for r in range(nr):
-        row = w[r0 + r]
-        for sb in range(row.shape[0] // size):
-            o = sb * size
-            d, dmin = load_f16(row, o), load_f16(row, o + 2)
-            for p in range(8):
-                j = 8 * sb + p
-                sc, m = k_scale_min(row, o + 4, p)
-                S[16 * j + r], O[16 * j + r] = d * sc, -dmin * m
-                for k in range(8):
-                    q = (load_u32(row, o + qo + 32 * (p // 2) + 4 * k) >> u32(4 * (p % 2))) & LO
-                    if qt == Q5_K:
-                        q |= ((load_u32(row, o + 16 + 4 * k) >> u32(p)) & u32(0x01010101)) << u32(4)
-                    _put(P, r, 8 * j + k, q | BIAS)
-
-
-@njit(cache=True, error_model="numpy")
-def _q6_k(P, S, O, w, r0, nr):          # ql:128 qh:64 scales:16 int8 d:f16
-    for r in range(nr):
-        row = w[r0 + r]
-        for sb in range(row.shape[0] // 210):
-            o = sb * 210
-            d = load_f16(row, o + 208)
-            for p in range(8):
-                h, j = p // 4, 8 * sb + p
-                for t in range(2):
-                    S[16 * (2 * j + t) + r] = d * f32(np.int8(row[o + 192 + 2 * p + t]))
-                for k in range(8):
-                    lo = (load_u32(row, o + 64 * h + 32 * (p % 2) + 4 * k) >> u32(4 * ((p % 4) // 2))) & LO
-                    hi = (load_u32(row, o + 128 + 32 * h + 4 * k) >> u32(2 * (p % 4))) & u32(0x03030303)
-                    _put(P, r, 8 * j + k, (lo | (hi << u32(4))) + u32(0x60606060))
-
-
-@njit(cache=True, error_model="numpy")
-def _q23_k(P, S, O, w, r0, nr, qt):     # Q2_K scales:16 qs:64 d dmin / Q3_K hmask:32 qs:64 scales:12 d
-    size, qo = (84, 16) if qt == Q2_K else (110, 32)
-    for r in range(nr):
-        row = w[r0 + r]
-        for sb in range(row.shape[0] // size):
-            o = sb * size
-            for p in range(8):
-                h, j = p // 4, 8 * sb + p
-                for t in range(2):
-                    g = 16 * (2 * j + t) + r
-                    if qt == Q2_K:
-                        sc = row[o + 2 * p + t]
-                        S[g] = load_f16(row, o + 80) * f32(sc & u8(15))
-                        O[g] = -load_f16(row, o + 82) * f32(sc >> u8(4))
-                    else:
-                        S[g] = load_f16(row, o + 108) * q3_scale(row, o + 96, 2 * p + t)
-                for k in range(8):
-                    q = (load_u32(row, o + qo + 32 * h + 4 * k) >> u32(2 * (p % 4))) & u32(0x03030303)
-                    if qt == Q2_K:
-                        _put(P, r, 8 * j + k, q | BIAS)
-                    else:   # q - 4 + 4 * hbit + 128
-                        hb = ((load_u32(row, o + 4 * k) >> u32(p)) & u32(0x01010101)) << u32(2)
-                        _put(P, r, 8 * j + k, (q | hb) + u32(0x7C7C7C7C))
+            _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
+                          lambda q, k, h: e.add(q, 0x78787878) if base == Q4_0 else e.or_(q, BIAS))
+        return context.get_dummy_value()
+    return types.void(qt, P, S, O, w, o, B, blk), codegen
 
 
 # ---------------------------------------------------------------- grid IQ types
@@ -215,7 +374,7 @@ def _put_values(P, r, j, v, mult):
         word = u32(0)
         for i in range(4):
             word |= u32(np.int32(v[4 * k + i] * mult) + 128) << u32(8 * i)
-        _put(P, r, 8 * j + k, word)
+        P[16 * (8 * j + k) + r] = word
 
 
 @njit(cache=True, error_model="numpy")
@@ -252,71 +411,68 @@ def _iq(P, S, O, w, r0, nr, qt):
                 _put_values(P, r, j, v, mult)
 
 
-# ---------------------------------------------------------------- repacked (-rtr) groups
-# quants_rtr's layout of 16 rows: qs [B][4 or 8][16][4] then scales [B][16] f16 (Q4_1: d 16 |
-# m 16): the codes already lie as the panel's words; a panel = a group (the tail rows past the
-# last group keep the GGUF layout and take the base type's unpack).
-
-@njit(cache=True, error_model="numpy")
-def _r16(P, S, O, w, r0, qt):
-    rb = w.shape[1]
-    flat = w.reshape(w.shape[0] * rb)
-    grp = flat[r0 * rb:(r0 + GROUP) * rb]
-    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
-    qb, sb = (512, 32) if qt == Q8_0 else (256, 64 if qt == Q4_1 else 32)
-    B = rb // size
-    add = u32(0x78787878) if qt == Q4_0 else BIAS
-    for b in range(B):
-        sc = B * qb + b * sb
-        for r in range(16):
-            S[16 * b + r] = load_f16(grp, sc + 2 * r)
-            if qt == Q4_1:
-                O[16 * b + r] = load_f16(grp, sc + 32 + 2 * r)
-        for k in range(qb // 64):
-            for r in range(16):
-                q = load_u32(grp, b * qb + 64 * k + 4 * r)
-                if qt == Q8_0:
-                    _put(P, r, 8 * b + k, q)
-                else:
-                    _put(P, r, 8 * b + k, (q & LO) + add)
-                    _put(P, r, 8 * b + 4 + k, ((q >> u32(4)) & LO) + add)
-
-
 # ---------------------------------------------------------------- dispatch
 
 @njit(inline="always")
-def unpack_base(qtype, P, S, O, w, r0, nr):
-    if qtype == Q4_0 or qtype == Q4_1:
-        _q4(P, S, O, w, r0, nr, qtype)
-    elif qtype == Q8_0:
-        _q8_0(P, S, O, w, r0, nr)
+def _blocks(qt, P, S, O, w, roff):
+    size = 18 if qt == Q4_0 or qt == IQ4_NL else 20 if qt == Q4_1 else 22 if qt == Q5_0 else \
+        24 if qt == Q5_1 else 34 if qt == Q8_0 else 17 if qt == MXFP4 else 136 if qt == IQ4_XS else \
+        144 if qt == Q4_K else 176 if qt == Q5_K else 210 if qt == Q6_K else 84 if qt == Q2_K else 110
+    for blk in range(w.shape[1] // size):
+        unpack_block(qt, P, S, O, w, roff, blk)
+
+
+@njit(inline="always")
+def _r16(qt, P, S, O, w, r0):
+    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    B = w.shape[1] // size
+    for blk in range(B):
+        unpack_r16(qt, P, S, O, w, r0 * w.shape[1], B, blk)
 
 
 @njit(cache=True, error_model="numpy")
 def unpack(qtype, P, S, O, w, r0, nr):
     """The panel (P, S, O) <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded;
     repacked (R16) w: r0 a multiple of 16."""
-    if qtype == Q4_0 or qtype == Q4_1:
-        _q4(P, S, O, w, r0, nr, qtype)
-    elif qtype == Q8_0:
-        _q8_0(P, S, O, w, r0, nr)
-    elif qtype == Q5_0 or qtype == Q5_1:
-        _q5(P, S, O, w, r0, nr, qtype)
-    elif qtype == Q4_K or qtype == Q5_K:
-        _q45_k(P, S, O, w, r0, nr, qtype)
-    elif qtype == Q6_K:
-        _q6_k(P, S, O, w, r0, nr)
-    elif qtype == Q2_K or qtype == Q3_K:
-        _q23_k(P, S, O, w, r0, nr, qtype)
-    elif qtype in IQ4_TYPES:
-        _iq4(P, S, O, w, r0, nr, qtype)
-    elif qtype in IQ_TYPES:
-        _iq(P, S, O, w, r0, nr, qtype)
-    elif qtype in R16_TYPES:
-        if nr == GROUP:
-            _r16(P, S, O, w, r0, base_of(qtype))
-        else:    # the tail rows, in the GGUF layout
-            unpack_base(base_of(qtype), P, S, O, w, r0, nr)
+    roff = np.empty(16, np.int64)
+    for r in range(16):                          # rows past nr: copies of the last, zeroed below
+        roff[r] = (r0 + min(r, nr - 1)) * w.shape[1]
+    qt = base_of(qtype) if qtype in R16_TYPES else qtype
+    if qtype in R16_TYPES and nr == GROUP:
+        if qt == Q4_0:
+            _r16(Q4_0, P, S, O, w, r0)
+        elif qt == Q4_1:
+            _r16(Q4_1, P, S, O, w, r0)
+        else:
+            _r16(Q8_0, P, S, O, w, r0)
+    elif qt == Q4_0:                             # (R16: the tail rows keep the GGUF layout)
+        _blocks(Q4_0, P, S, O, w, roff)
+    elif qt == Q4_1:
+        _blocks(Q4_1, P, S, O, w, roff)
+    elif qt == Q8_0:
+        _blocks(Q8_0, P, S, O, w, roff)
+    elif qt == Q5_0:
+        _blocks(Q5_0, P, S, O, w, roff)
+    elif qt == Q5_1:
+        _blocks(Q5_1, P, S, O, w, roff)
+    elif qt == Q4_K:
+        _blocks(Q4_K, P, S, O, w, roff)
+    elif qt == Q5_K:
+        _blocks(Q5_K, P, S, O, w, roff)
+    elif qt == Q6_K:
+        _blocks(Q6_K, P, S, O, w, roff)
+    elif qt == Q2_K:
+        _blocks(Q2_K, P, S, O, w, roff)
+    elif qt == Q3_K:
+        _blocks(Q3_K, P, S, O, w, roff)
+    elif qt == IQ4_NL:
+        _blocks(IQ4_NL, P, S, O, w, roff)
+    elif qt == IQ4_XS:
+        _blocks(IQ4_XS, P, S, O, w, roff)
+    elif qt == MXFP4:
+        _blocks(MXFP4, P, S, O, w, roff)
+    elif qt in IQ_TYPES:
+        _iq(P, S, O, w, r0, nr, qt)
     for r in range(nr, 16):
         for k in range(P.shape[0] // 16):
             P[16 * k + r] = BIAS
