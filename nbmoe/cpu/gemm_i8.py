@@ -109,6 +109,26 @@ def acc_block(typingctx, G, has_m, acc, P, S, O, xq, xd, xs, xb, j):
     return types.void(G, has_m, acc, P, S, O, xq, xd, xs, xb, j), codegen
 
 
+@intrinsic
+def store_lanes(typingctx, out, o, acc, t, n):
+    """out[o:o + n] = acc[16 t:16 t + n], n <= 16, as one masked vector store (element reads of
+    acc would make LLVM take its registers apart lane by lane)."""
+    def codegen(context, b, sig, args):
+        out, o, acc, t, n = args
+        v16f = vec(F32, 16)
+        src = b.gep(b.bitcast(context.make_array(sig.args[2])(context, b, acc).data, v16f.as_pointer()), [t])
+        dst = b.bitcast(b.gep(context.make_array(sig.args[0])(context, b, out).data, [o]), v16f.as_pointer())
+        n32 = b.trunc(n, I32)
+        one = b.insert_element(ir.Constant(vec(I32, 16), None), n32, ir.Constant(I32, 0))
+        mask = b.icmp_signed("<", ir.Constant(vec(I32, 16), list(range(16))),
+                             b.shuffle_vector(one, one, ir.Constant(vec(I32, 16), None)))
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [
+            v16f, v16f.as_pointer(), I32, vec(ir.IntType(1), 16)]), "llvm.masked.store.v16f32.p0")
+        b.call(fn, [b.load(src, align=4), dst, ir.Constant(I32, 4), mask])
+        return context.get_dummy_value()
+    return types.void(out, o, acc, t, n), codegen
+
+
 # ---------------------------------------------------------------- x, once per call
 
 @intrinsic
@@ -182,6 +202,7 @@ def prepare_x(x, slot_x, G):
 def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
     """out rows of slots in groups g0..g1 - 1, columns r0..r0 + nr - 1 <- panel . x."""
     B = Xd.shape[1] // NT
+    flat = out.reshape(out.shape[0] * out.shape[1])
     for grp in range(g0, g1):
         acc = carray(_stack_acc(), NT * ROWS)
         for i in range(NT * ROWS):
@@ -192,8 +213,7 @@ def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
         for t in range(NT):
             orow = slot_o[grp * NT + t]
             if orow >= 0:
-                for i in range(nr):
-                    out[orow, r0 + i] = acc[ROWS * t + i]
+                store_lanes(flat, orow * out.shape[1] + r0, acc, t, nr)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
