@@ -216,32 +216,36 @@ def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
                 store_lanes(flat, orow * out.shape[1] + r0, acc, t, nr)
 
 
+@njit(cache=True, error_model="numpy")
+def _item(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
+    """One work item: unpack rows r0..r0 + nr - 1 of w [M, row_bytes], then the slot groups
+    g0..g1 - 1 (a function of its own: the parallel loop's body stays small to compile)."""
+    K = Xq.shape[1] // NT
+    G = group_size(qtype)
+    P = np.empty(K // 4 * ROWS, np.uint32)
+    S = np.empty(K // G * ROWS, np.float32)
+    O = np.empty(K // G * ROWS, np.float32)
+    unpack(qtype, P, S, O, w, r0, nr)
+    if G == 32 and has_m(qtype):
+        _panel_groups(32, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+    elif G == 32:
+        _panel_groups(32, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+    elif has_m(qtype):
+        _panel_groups(16, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+    else:
+        _panel_groups(16, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def gemm(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs):
     """out [N, M]: out[slot_o[s]] = dequant(w[e]) @ x of slot s, for the slots of each job
     (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]."""
     M = w.shape[1]
-    K = Xq.shape[1] // NT
-    G = group_size(qtype)
-    HM = has_m(qtype)
     n_panels = (M + ROWS - 1) // ROWS
     for item in prange(jobs.shape[0] * n_panels):
         job, p = item // n_panels, item % n_panels
-        e, g0, g1 = jobs[job, 0], jobs[job, 1], jobs[job, 2]
-        r0 = p * ROWS
-        nr = min(ROWS, M - r0)
-        P = np.empty(K // 4 * ROWS, np.uint32)
-        S = np.empty(K // G * ROWS, np.float32)
-        O = np.empty(K // G * ROWS, np.float32)
-        unpack(qtype, P, S, O, w[e], r0, nr)
-        if G == 32 and HM:
-            _panel_groups(32, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
-        elif G == 32:
-            _panel_groups(32, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
-        elif HM:
-            _panel_groups(16, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
-        else:
-            _panel_groups(16, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        _item(out, w[jobs[job, 0]], qtype, Xq, Xd, Xs, Xb, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
+              min(ROWS, M - p * ROWS))
 
 
 def _jobs(n_groups, n_panels, n_threads):
