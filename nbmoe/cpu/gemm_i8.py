@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from .gemm_unpack import group_size, has_m, unpack
 from .quants import f32, stack_f32
-from .quants_int8 import _dot4_init, quantize_x
+from .quants_int8 import _dot4_init
 from .simd import F32, I32, I64, vec
 
 NT = 8          # slots per group
