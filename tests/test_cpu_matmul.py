@@ -73,9 +73,8 @@ def test_quantize_x():
 
 def uses_int8(name, n_tokens):
     """Whether a product with n_tokens sharing the weights takes an integer-dot path
-    (matrix-vector, or gemm_i8 for n_tokens >= BLAS_MIN_T)."""
-    q = int(Q[name])
-    return matmul._int8(q) if n_tokens < matmul.BLAS_MIN_T else matmul.batched_int8(q)
+    (matrix-vector, or gemm_i8)."""
+    return matmul.int8_path(int(Q[name]), n_tokens)
 
 
 def k_for(name):
@@ -168,7 +167,7 @@ def ref_mul_mat_id(w, name, x, ids, rounded=False):
     for t in range(T):
         for a in range(A):
             e, xa = ids[t, a], a if x.shape[1] == A else 0
-            n = count[e] if T >= matmul.BLAS_MIN_T else 1  # tokens sharing expert e's weights
+            n = count[e]                                   # tokens sharing expert e's weights
             out[t, a] = wd[e] @ (xr[t, xa] if uses_int8(name, n) else np.float64(x[t, xa]))
     return out
 
@@ -339,7 +338,7 @@ def test_mul_mat_rtr(name, T, monkeypatch):
     matmul.mul_mat(got, wr, x, qr)
     matmul.mul_mat(plain, w, x, int(Q[name]))
     assert max_rel(got, plain.astype(np.float64)) < RTOL_RTR
-    if T < matmul.BLAS_MIN_T or matmul.batched_int8(qr):
+    if matmul.int8_path(qr, T):
         assert max_rel(got, x_rounded(x) @ wd.T) < RTOL
         assert max_rel(got, x.astype(np.float64) @ wd.T) < RTOL_X8
     else:

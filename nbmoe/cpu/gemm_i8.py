@@ -302,4 +302,5 @@ def mul_mat_id(out, w, x, ids, qtype, order, start, min_pairs):
     if jobs.shape[0] == 0:
         return
     Xq, Xd, Xs, Xb = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
-    gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs)
+    with numba.parallel_chunksize(1):     # items differ in cost (experts' token counts): dynamic
+        gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs)
