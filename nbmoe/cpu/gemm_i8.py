@@ -180,10 +180,10 @@ def prepare_x(x, slot_x, G):
     xq [groups, K * NT] int8, xd [groups, B * NT], xs, xb [groups, K / G * NT] (see the top)."""
     K = x.shape[1]
     B, ng, n_groups = K // 32, K // G, slot_x.shape[0] // NT
-    Xq = np.zeros((n_groups, K * NT), np.int8)
-    Xd = np.zeros((n_groups, B * NT), np.float32)
-    Xs = np.zeros((n_groups, ng * NT), np.float32)
-    Xb = np.zeros((n_groups, ng * NT), np.int32)
+    Xq = np.empty((n_groups, K * NT), np.int8)      # an empty slot's codes are never used:
+    Xd = np.empty((n_groups, B * NT), np.float32)   # its xd and xs are 0
+    Xs = np.empty((n_groups, ng * NT), np.float32)
+    Xb = np.empty((n_groups, ng * NT), np.int32)
     for grp in prange(n_groups):
         xq, xd, xs, xb = Xq[grp], Xd[grp], Xs[grp], Xb[grp]
         for t in range(NT):
@@ -193,6 +193,11 @@ def prepare_x(x, slot_x, G):
                 bits = row.view(np.uint32)
                 for j in range(B):
                     _quantize_block(xq, xd, xs, xb, row, bits, j, t, G)
+            else:
+                for j in range(B):
+                    xd[j * NT + t] = 0
+                for h in range(ng):
+                    xs[h * NT + t], xb[h * NT + t] = 0, 0
     return Xq, Xd, Xs, Xb
 
 
