@@ -24,8 +24,9 @@ against. Kernels take qtype as an int and branch inside, so each compiles once f
 
 Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 rewritten at load time into groups
 of 16 interleaved rows, with their own qtype ids (R16_TYPES). Every entry point takes them:
-matrix-vector by quants_rtr's kernel (always integer dots), decode for BLAS, get_rows and
-mul_mat_plain by its decoder. Work items then hold whole groups (multiples of 16 rows).
+matrix-vector by quants_rtr's kernel (always integer dots), gemm_i8 (a group is a panel) or
+decode for BLAS, get_rows and mul_mat_plain by its decoder. Work items then hold whole groups
+(multiples of 16 rows).
 
 Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool (whose threads spin
 after each product and slowed the Numba kernels after it ~2x: one reason for gemm_i8).
