@@ -67,7 +67,7 @@ def test_mul_mat(name, T, int8, monkeypatch):
 
 def ref_mul_mat_id(w, name, x, ids):
     """Per (t, a): expert ids[t, a]'s exact rows @ x, with x rounded to 8 bits where the
-    product takes the integer-dot path (experts shared by few tokens when T >= BLAS_MIN_T)."""
+    product takes an integer-dot path (matmul.int8_path of the tokens sharing the expert)."""
     wd = ref_dequant(w, name)
     xr = x_rounded(x)
     T, A = ids.shape
@@ -76,7 +76,7 @@ def ref_mul_mat_id(w, name, x, ids):
     for t in range(T):
         for a in range(A):
             e, xa = ids[t, a], a if x.shape[1] == A else 0
-            n = count[e] if T >= matmul.BLAS_MIN_T else 1
+            n = count[e]
             out[t, a] = wd[e] @ (xr[t, xa] if uses_int8(name, n) else np.float64(x[t, xa]))
     return out
 

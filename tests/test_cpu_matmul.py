@@ -3,9 +3,10 @@
 Letters: T tokens, M weight rows, K values per row, E experts, A chosen experts, X input rows
 per token (1 or A). Weights are quantized by gguf-py and made read-only, as the mmap'd GGUF
 views are (a read-only array is a different Numba type: tests compile what production runs).
-Odd M everywhere; T = 17 >= matmul.BLAS_MIN_T takes the dequantize + BLAS path, T = 1, 3 the
-matrix-vector path, run both ways: integer dots (x rounded to 8-bit blocks: compared with the
-float64 product of the rounded x, 1e-5, and loosely with the exact one) and float dots.
+Odd M everywhere; T = 17 >= matmul.BLAS_MIN_T takes the batched path (gemm_i8 for the integer
+types with INT8_DOT, else dequantize + BLAS), T = 1, 3 the matrix-vector path, run both ways:
+integer dots (x rounded to 8-bit blocks: compared with the float64 product of the rounded x,
+1e-5, and loosely with the exact one) and float dots.
 """
 import os
 import subprocess
@@ -71,8 +72,9 @@ def test_quantize_x():
 
 
 def uses_int8(name, n_tokens):
-    """Whether a product with n_tokens sharing the weights takes the integer-dot path."""
-    return matmul.INT8_DOT and int(Q[name]) in INT8_TYPES and n_tokens < matmul.BLAS_MIN_T
+    """Whether a product with n_tokens sharing the weights takes an integer-dot path
+    (matrix-vector, or gemm_i8)."""
+    return matmul.int8_path(int(Q[name]), n_tokens)
 
 
 def k_for(name):
@@ -132,6 +134,7 @@ def test_mul_mat(name, T, int8, monkeypatch):
 def test_mul_mat_blas_tiles(name, monkeypatch):
     """Several row tiles (the last one short) instead of one."""
     M, K, T = 45, 64, matmul.BLAS_MIN_T
+    monkeypatch.setattr(matmul, "GEMM_I8", False)
     monkeypatch.setattr(matmul, "TILE_BYTES", 16 * K * 4)
     w = quantize(rnd(M, K, seed=4), name)
     x = rnd(T, K, seed=5)
@@ -164,7 +167,7 @@ def ref_mul_mat_id(w, name, x, ids, rounded=False):
     for t in range(T):
         for a in range(A):
             e, xa = ids[t, a], a if x.shape[1] == A else 0
-            n = count[e] if T >= matmul.BLAS_MIN_T else 1  # tokens sharing expert e's weights
+            n = count[e]                                   # tokens sharing expert e's weights
             out[t, a] = wd[e] @ (xr[t, xa] if uses_int8(name, n) else np.float64(x[t, xa]))
     return out
 
@@ -335,7 +338,7 @@ def test_mul_mat_rtr(name, T, monkeypatch):
     matmul.mul_mat(got, wr, x, qr)
     matmul.mul_mat(plain, w, x, int(Q[name]))
     assert max_rel(got, plain.astype(np.float64)) < RTOL_RTR
-    if T < matmul.BLAS_MIN_T:
+    if matmul.int8_path(qr, T):
         assert max_rel(got, x_rounded(x) @ wd.T) < RTOL
         assert max_rel(got, x.astype(np.float64) @ wd.T) < RTOL_X8
     else:

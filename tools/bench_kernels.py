@@ -1,5 +1,6 @@
 """Kernel benchmark: matrix-vector GB/s per weight type against the streaming read bandwidth
-measured in the same run, the expert product of one token, and batched GFLOP/s at T=512.
+measured in the same run, the expert product of one token, and batched GFLOP/s at T=512
+(dequantize + BLAS, and with AVX-512 VNNI the integer product gemm_i8: "int8 VNNI").
 
     python tools/bench_kernels.py -t 2                       # every CPU type, rich table
     python tools/bench_kernels.py -t 2 --types Q4_K,Q8_0 -o json
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
-from nbmoe.cpu import matmul
+from nbmoe.cpu import gemm_i8, matmul
 from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import TYPES
 from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES
@@ -147,11 +148,14 @@ def bench_type(name, a, bw, rng):
             continue
         w0 = weights(rng, qt, M, K)
         x, out = rng.standard_normal((512, K), dtype=np.float32), np.empty((512, M), np.float32)
-        for path, q, w in [("dequant+BLAS", qt, w0)] + ([("dequant+BLAS rtr", R16[qt], repack_tensor(w0, qt)[0])]
-                                                      if a.rtr and qt in R16 else []):
-            matmul.mul_mat(out, w, x, q)
-            err = check(out, w0, x, qt, 1e-4)
-            t = best_time(lambda i: matmul.mul_mat(out, w, x, q), 5)
+        cases = [("dequant+BLAS", qt, w0)] + ([("dequant+BLAS rtr", R16[qt], repack_tensor(w0, qt)[0])]
+                                               if a.rtr and qt in R16 else [])
+        for path, q, w in cases + [(label.replace("dequant+BLAS", "int8 VNNI"), q, w)
+                                   for label, q, w in cases if matmul.batched_int8(q)]:
+            run = matmul._mul_mat_blas if path.startswith("dequant") else gemm_i8.mul_mat
+            run(out, w, x, q)
+            err = check(out, w0, x, qt, 1e-4 if path.startswith("dequant") else 1.5e-2)
+            t = best_time(lambda i: run(out, w, x, q), 5)
             rows.append(dict(type=name, test=f"batch 512 x {M}x{K}", path=path, ms=t * 1e3,
                              gbs=None, ratio=None, gflops=2 * 512 * M * K / t / 1e9, rel_err=err))
     return rows

@@ -1,4 +1,5 @@
-"""LLVM IR building blocks for integer block dots (quants_k_i8, quants_iq4, quants_iq_i8).
+"""LLVM IR building blocks for integer block dots (quants_k_i8, quants_iq4, quants_iq_i8) and
+for the batched product's weight panels (Rows, at the bottom: gemm_unpack).
 
 Numba has no vector types, so a block's integer dot is one intrinsic that emits LLVM IR:
 `acc_intrinsic(body, values, xs_per, size)` makes an intrinsic
@@ -245,3 +246,117 @@ def acc_intrinsic(body, values, xs_per, size=0):
             return context.get_dummy_value()
         return types.void(acc, row, o, xq, xd, xs, b), codegen
     return acc_block
+
+
+# ---------------------------------------------------------------- 16 rows at a time (gemm_unpack)
+
+
+class Rows:
+    """IR for one block (`size` bytes, `values` values, G per scale) of 16 weight rows at once,
+    for gemm_unpack's intrinsics (args P, S, O, w, roff, blk): words(off, n) loads words of
+    each row's block and transposes them, so that lane r of a <16 x i32> is row r; put and
+    scale store a panel's <16 x i32> codes and <16 x float> scales (layout: gemm_unpack)."""
+
+    def __init__(self, context, b, sig, args, size, values, G):
+        _, P, S, O, w, roff, blk = args
+        self.b = b
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+
+        ro, base = data(5), b.mul(blk, self.c(size))
+        self.rows = [b.gep(data(4), [b.add(b.load(b.gep(ro, [self.c(r)])), base)]) for r in range(16)]
+        self.P = b.gep(data(1), [b.mul(blk, self.c(values * 4))])
+        self.S, self.O = (b.gep(data(i), [b.mul(blk, self.c(values // G * 16))]) for i in (2, 3))
+
+    @staticmethod
+    def c(v, t=I64):
+        return ir.Constant(t, v)
+
+    def k(self, v):
+        """A <16 x i32> constant."""
+        return const(I32, [v] * 16)
+
+    def _each(self, off, ty):
+        return [self.b.load(self.b.bitcast(self.b.gep(p, [self.c(off)]), ty.as_pointer()), align=1)
+                for p in self.rows]
+
+    def _lanes(self, scalars):
+        v = ir.Constant(vec(scalars[0].type, 16), None)
+        for r, s in enumerate(scalars):
+            v = self.b.insert_element(v, s, ir.Constant(I32, r))
+        return v
+
+    def _shuffle(self, a, b, idx):
+        return self.b.shuffle_vector(a, b, const(I32, idx))
+
+    def words(self, off, n):
+        """[n x <16 x i32>]: words off + 4i (i < n <= 4) of the block, lane r = row r."""
+        if n == 1:
+            return [self._lanes(self._each(off, I32))]
+        rows = [self._shuffle(v, v, list(range(n)) + [0] * (4 - n)) for v in self._each(off, vec(I32, n))]
+        lanes = []                                       # per 4 rows: [w0 of the 4 | w1 | w2 | w3]
+        for g in range(4):
+            r = rows[4 * g:4 * g + 4]
+            q = self._shuffle(self._shuffle(r[0], r[1], range(8)), self._shuffle(r[2], r[3], range(8)), range(16))
+            lanes.append(self._shuffle(q, q, [4 * j + i for i in range(4) for j in range(4)]))
+
+        def pick(x, y, lx, ly):                          # 128-bit lanes lx of x, then ly of y
+            return self._shuffle(x, y, [4 * lane + i for lane in lx for i in range(4)]
+                                 + [16 + 4 * lane + i for lane in ly for i in range(4)])
+        lo01, hi01 = pick(lanes[0], lanes[1], (0, 1), (0, 1)), pick(lanes[0], lanes[1], (2, 3), (2, 3))
+        lo23, hi23 = pick(lanes[2], lanes[3], (0, 1), (0, 1)), pick(lanes[2], lanes[3], (2, 3), (2, 3))
+        return [pick(lo01, lo23, (0, 2), (0, 2)), pick(lo01, lo23, (1, 3), (1, 3)),
+                pick(hi01, hi23, (0, 2), (0, 2)), pick(hi01, hi23, (1, 3), (1, 3))][:n]
+
+    def half(self, off):
+        """<16 x float>: the f16 at byte off of each row's block."""
+        h = self.b.bitcast(self._lanes(self._each(off, I16)), vec(ir.HalfType(), 16))
+        return self.b.fpext(h, vec(F32, 16))
+
+    def byte(self, off):
+        return self.b.zext(self._lanes(self._each(off, I8)), vec(I32, 16))
+
+    # -- word ops (<16 x i32>, constants as ints)
+    def and_(self, v, m):
+        return self.b.and_(v, self.k(m))
+
+    def or_(self, *vs):
+        out = vs[0]
+        for v in vs[1:]:
+            out = self.b.or_(out, v if isinstance(v, ir.Value) else self.k(v))
+        return out
+
+    def add(self, v, m):
+        return self.b.add(v, self.k(m))
+
+    def shr(self, v, s):
+        return self.b.lshr(v, self.k(s)) if s else v
+
+    def shl(self, v, s):
+        return self.b.shl(v, self.k(s)) if s else v
+
+    def bits(self, v, s, m):
+        """(v >> s) & m."""
+        return self.and_(self.shr(v, s), m)
+
+    def float(self, v):
+        return self.b.sitofp(v, vec(F32, 16))
+
+    def lut(self, v, table):
+        """Each byte of v (0..15) -> table[byte] + 128 (vpshufb)."""
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(vec(I8, 64), [vec(I8, 64)] * 2),
+                                            "llvm.x86.avx512.pshuf.b.512")
+        tab = const(I8, [(int(t) + 128) & 255 for t in table] * 4)
+        return self.b.bitcast(self.b.call(fn, [tab, self.b.bitcast(v, vec(I8, 64))]), vec(I32, 16))
+
+    # -- stores
+    def put(self, k, v):
+        """Panel vector k of the block (values 4k..4k + 3 of the 16 rows)."""
+        self.b.store(v, self.b.bitcast(self.b.gep(self.P, [self.c(16 * k)]), v.type.as_pointer()), align=4)
+
+    def scale(self, g, v, offset=None):
+        """S (and O) of group g of the block."""
+        for base, x in ((self.S, v), (self.O, offset)):
+            if x is not None:
+                self.b.store(x, self.b.bitcast(self.b.gep(base, [self.c(16 * g)]), x.type.as_pointer()), align=4)
