@@ -32,8 +32,8 @@ import numpy as np
 from numba import njit, prange
 
 from .quants import TYPES, dequant_rows, dot_rows
-from .quants import Q4_0, Q4_1, Q8_0
-from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x
+from .quants import Q4_1, Q5_1
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, lane_bias, prepare_blocks, quantize_x
 from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
                          dequant_rows_r16, dot_rows_r16)
 
@@ -80,7 +80,7 @@ def _int8(qtype):
 # ---------------------------------------------------------------- per-token x extras
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
-# for Q4_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 the (xd, xs) pairs xds [N, 2B]
+# for Q4_0 / Q5_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
 # (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 followed by block biases [N, B].
 # The unused ones are empty.
 
@@ -94,9 +94,9 @@ def _prepare_x(x, int8, qtype):
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
-    nb = K // 4 + (B if repacked else 0) if int8 and (qt == Q4_0 or qt == Q8_0) else 0
+    nb = K // 4 + (B if repacked else 0) if int8 and lane_bias(qt) else 0
     xb = np.empty((N, nb), np.int32)
-    xds = np.empty((N, 2 * B if int8 and qt == Q4_1 else 0), np.float32)
+    xds = np.empty((N, 2 * B if int8 and (qt == Q4_1 or qt == Q5_1) else 0), np.float32)
     for n in range(N):
         if int8:
             quantize_x(xq[n], xd[n], xs[n], x[n])
