@@ -190,21 +190,32 @@ def acc_blocks(typingctx, qt, n, acc, w, o, xq, xd, xb, xds, b):
 
 # ---------------------------------------------------------------- x -> 8-bit blocks
 
+_ROUND = f32(12582912.0)
+u64 = np.uint64
+
+
 @njit(cache=True, error_model="numpy")
 def quantize_x(xq, xd, xs, x):
-    """x [K] -> xq [K] int8, xd [B] scales, xs [B] = xd * block sums of xq (see the top)."""
-    for b in range(x.shape[0] // 32):
-        amax = f32(0)
+    """x [K] -> xq [K] int8, xd [B] scales, xs [B] = xd * block sums of xq (see the top).
+    max|x| is taken on the float bits (x & 0x7fffffff as int32: same order for |x|, and NaN
+    patterns sort above inf, so a NaN sticks: xd = NaN, NaN in x gives NaN out): integer
+    loops that LLVM vectorizes (the float compare-and-NaN-check loop stayed scalar, ~1.5 us
+    for K = 576, ~1/4 of a small product's time at 2 threads)."""
+    B = x.shape[0] // 32
+    bits, top = x.view(np.int32), xd.view(np.int32)
+    for b in range(B):
+        m = np.int32(0)
         for i in range(32):
-            a = abs(x[b * 32 + i])
-            if a > amax or a != a:  # a NaN sticks: xd = NaN, so NaN in x gives NaN out
-                amax = a
-        d = amax / f32(127)
+            m = max(m, bits[u64(32 * b + i)] & np.int32(0x7FFFFFFF))
+        top[b] = m
+    for b in range(B):
+        d = xd[b] / f32(127)                   # max|x| / 127
         inv = f32(1) / d if d > 0 else f32(0)
         s = np.int32(0)
         for i in range(32):
-            q = np.int32(np.rint(x[b * 32 + i] * inv))
-            xq[b * 32 + i] = q
+            # rint by the 1.5 * 2^23 trick (exact, halves to even, |v| <= 127): vectorizes
+            q = np.int32((x[u64(32 * b + i)] * inv + _ROUND) - _ROUND)
+            xq[u64(32 * b + i)] = q
             s += q
         xd[b] = d
         xs[b] = d * f32(s)
