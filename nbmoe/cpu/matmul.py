@@ -46,9 +46,12 @@ TILE_BYTES = 4 << 20
 # passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
 ITEM_ROWS = 32
 # With one token per weight (generation) nothing is reused from L1, so an item is made ~this
-# many bytes instead (the dispatch per item is then a small share), in whole rounds of the
-# threads: Q4_0 2048 x 768 experts went from ~0.6 to ~0.85 of streaming read.
-ITEM_BYTES = 64 << 10
+# many bytes instead, in whole rounds of the threads: Q4_0 2048 x 768 experts went from ~0.6
+# to ~0.85 of streaming read at 32 rows -> 64 KB. prange hands each thread one equal run of
+# items anyway, so the default is one item per thread: each item costs slicing refcounts on
+# memory both threads share (~0.12 us per item, 2 threads), 2% of 576 x 576 at 64 KB items,
+# 2% of the 30 MB output of SmolLM2 (456 items of 64 KB).
+ITEM_BYTES = 1 << 40
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
