@@ -238,6 +238,15 @@ def mul_mat(out, w, x, qtype):
         _mul_mat_blas(out, w, x, qtype)
 
 
+def mul_mat_step(out, w, x, qtype):
+    """mul_mat(out, w, x, qtype) as a plan's step: for one token the path and the work items
+    are chosen once, at binding (as the fused groups' are): ~2 us less per call."""
+    if x.shape[0] == 1:
+        int8, step = _int8(int(qtype)), item_rows(w.shape[0], w.shape[1], 1, qtype)
+        return lambda: _mul_mat_vec(out, w, x, qtype, int8, step)
+    return lambda: mul_mat(out, w, x, qtype)
+
+
 # ---------------------------------------------------------------- mul_mat_id
 # out[t, a] = dequant(w[ids[t, a]]) @ x[t, a if X == A else 0]   w [E, M, row_bytes],
 # x [T, X, K], ids [T, A], out [T, A, M].
