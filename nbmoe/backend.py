@@ -169,6 +169,9 @@ class CPUBackend(Backend):
     def vec_ok(self, node, n_tokens):
         return n_tokens < self.mm.BLAS_MIN_T
 
+    def bind_mul_mat(self, node, buf, state):
+        return self.mm.mul_mat_step(*self.mul_mat_operands(node, buf))
+
     # -- fused groups (cpu/fused.py) ---------------------------------------------------------
     def _bind_products(self, members, buf, state):
         ops = [self.mul_mat_operands(n, buf) for n in members]
@@ -177,7 +180,7 @@ class CPUBackend(Backend):
         step = mm.item_rows(sum(w.shape[0] for w in ws), ws[0].shape[1], x.shape[0], qtype)
         int8 = mm._int8(qtype)
         return [None] * (len(members) - 1) + [
-            _labelled(lambda: fused.products(outs, ws, x, qtype, int8, step), "MUL_MAT")]
+            _labelled(fused.products_step(outs, ws, x, qtype, int8, step), "MUL_MAT")]
 
     def _bind_glu(self, members, buf, state):
         gate, up, glu = members

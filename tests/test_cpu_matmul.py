@@ -219,12 +219,12 @@ def test_mul_mat_id_repeated_expert_in_token():
     assert max_rel(out, ref_mul_mat_id(w, "Q4_1", x, ids, rounded=True)) < RTOL
 
 
-# ---------------------------------------------------------------- Q4_0 / Q4_1 / Q8_0 int8 kernels
+# ---------------------------------------------------------------- Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 int8 kernels
 # Two rows per step and 4 blocks per call, then a pair and a single block (quants_int8.dot_rows_b32):
 # K = 224 is 4 + 2 + 1 blocks, 576 (SmolLM2) 16 + 2; odd M leaves a row alone; T = 1 takes items
 # of ~ITEM_BYTES rows (matmul.item_rows), shrunk here so several items run.
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("K", [224, 576])
 @pytest.mark.parametrize("T", [1, 2])
 def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
@@ -241,7 +241,7 @@ def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
     assert max_rel(out, x.astype(np.float64) @ wd.T) < RTOL_X8
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_mul_mat_id_int8_blocks(name, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
@@ -281,7 +281,7 @@ def test_int8_generic_dot():
         "assert not quants_int8.HAS_VNNI\n"
         "matmul.INT8_DOT = True\n"
         "rng = np.random.default_rng(0)\n"
-        "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
         "    w = np.ascontiguousarray(quantize(rng.standard_normal((7, 224), dtype=np.float32), Q[name]).view(np.uint8))\n"
         "    x = rng.standard_normal((1, 224), dtype=np.float32)\n"
         "    out = np.empty((1, 7), np.float32)\n"

@@ -53,10 +53,17 @@ def _products(outs, ws, x, qtype, int8, step, n_rows):
 
 def products(outs, ws, x, qtype, int8, step):
     """outs[j] [T, M_j] = x [T, K] @ dequant(ws[j])^T for 2 or 3 weights of one type."""
+    products_step(outs, ws, x, qtype, int8, step)()
+
+
+def products_step(outs, ws, x, qtype, int8, step):
+    """products(...) as a plan's step: its tuples and row counts are made once, at binding
+    (Python + dispatch per call 5.4 -> 2 us)."""
     rows = [w.shape[0] for w in ws]
     if len(ws) == 2:
         outs, ws, rows = (outs[0], outs[1], outs[1]), (ws[0], ws[1], ws[1]), rows + [0]
-    _products(tuple(outs), tuple(ws), x, qtype, int8, step, np.array(rows, np.int64))
+    o, w, r = tuple(outs), tuple(ws), np.array(rows, np.int64)
+    return lambda: _products(o, w, x, qtype, int8, step, r)
 
 
 # ---------------------------------------------------------------- glu (dense)

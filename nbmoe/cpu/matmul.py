@@ -39,8 +39,8 @@ from numba import njit, prange
 
 from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
-from .quants import Q4_0, Q4_1, Q8_0
-from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x
+from .quants import Q4_1, Q5_1
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, lane_bias, prepare_blocks, quantize_x
 from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
                          dequant_rows_r16, dot_rows_r16)
 
@@ -53,9 +53,12 @@ TILE_BYTES = 4 << 20
 # passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
 ITEM_ROWS = 32
 # With one token per weight (generation) nothing is reused from L1, so an item is made ~this
-# many bytes instead (the dispatch per item is then a small share), in whole rounds of the
-# threads: Q4_0 2048 x 768 experts went from ~0.6 to ~0.85 of streaming read.
-ITEM_BYTES = 64 << 10
+# many bytes instead, in whole rounds of the threads: Q4_0 2048 x 768 experts went from ~0.6
+# to ~0.85 of streaming read at 32 rows -> 64 KB. prange hands each thread one equal run of
+# items anyway, so the default is one item per thread: each item costs slicing refcounts on
+# memory both threads share (~0.12 us per item, 2 threads), 2% of 576 x 576 at 64 KB items,
+# 2% of the 30 MB output of SmolLM2 (456 items of 64 KB).
+ITEM_BYTES = 1 << 40
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
@@ -86,9 +89,12 @@ def row_values(qtype, row_bytes):
     return row_bytes // size * block
 
 
+_INT8_SET = frozenset(INT8_TYPES)
+
+
 def _int8(qtype):
     """Integer dots: the block types with INT8_DOT on; repacked weights always."""
-    return qtype in BASE or (INT8_DOT and qtype in INT8_TYPES)
+    return qtype in BASE or (INT8_DOT and qtype in _INT8_SET)
 
 
 def batched_int8(qtype):
@@ -107,7 +113,7 @@ def int8_path(qtype, n_tokens):
 # ---------------------------------------------------------------- per-token x extras
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
-# for Q4_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 the (xd, xs) pairs xds [N, 2B]
+# for Q4_0 / Q5_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
 # (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 followed by block biases [N, B].
 # The unused ones are empty.
 
@@ -121,9 +127,9 @@ def _prepare_x(x, int8, qtype):
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
-    nb = K // 4 + (B if repacked else 0) if int8 and (qt == Q4_0 or qt == Q8_0) else 0
+    nb = K // 4 + (B if repacked else 0) if int8 and lane_bias(qt) else 0
     xb = np.empty((N, nb), np.int32)
-    xds = np.empty((N, 2 * B if int8 and qt == Q4_1 else 0), np.float32)
+    xds = np.empty((N, 2 * B if int8 and (qt == Q4_1 or qt == Q5_1) else 0), np.float32)
     for n in range(N):
         if int8:
             quantize_x(xq[n], xd[n], xs[n], x[n])
@@ -188,13 +194,20 @@ def mul_mat_plain(out, w, x, qtype):
 # ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
 # ITEM_BYTES). Parallel over runs.
 
+@njit  # (not cached: Numba cannot cache its thread-count global)
+def _threads():
+    """numba.get_num_threads() for Python callers: 0.07 us this way, 1.5 us directly (its
+    Python version checks the pool first), paid by every unfused product of a token."""
+    return numba.get_num_threads()
+
+
 def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
     such that the items come in whole rounds of the threads (repacked: whole groups)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
-    nt = numba.get_num_threads()
+    nt = _threads()
     n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
     return max(unit, (rows + unit - 1) // unit * unit)
@@ -252,6 +265,15 @@ def mul_mat(out, w, x, qtype):
         _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
     else:
         _mul_mat_blas(out, w, x, qtype)
+
+
+def mul_mat_step(out, w, x, qtype):
+    """mul_mat(out, w, x, qtype) as a plan's step: for one token the path and the work items
+    are chosen once, at binding (as the fused groups' are): ~2 us less per call."""
+    if x.shape[0] == 1:
+        int8, step = _int8(int(qtype)), item_rows(w.shape[0], w.shape[1], 1, qtype)
+        return lambda: _mul_mat_vec(out, w, x, qtype, int8, step)
+    return lambda: mul_mat(out, w, x, qtype)
 
 
 # ---------------------------------------------------------------- mul_mat_id

@@ -12,44 +12,39 @@ instruction: nibbles (Q4_*) and 5-bit codes (Q5_*) already are, with the -8 / -1
 symmetric types folded into m = -8 d / -16 d; Q8_0's signed codes are stored + 128
 (w ^ 0x80) and m = -128 d.
 
-Q5_0 / Q5_1, one block per call, in LLVM IR written here (an intrinsic; Numba cannot
-express vector code):
-  <32 x u8> codes  <- unpack the block's bytes (nibbles / nibbles + 5th bits / xor 0x80)
-  <8 x i32> lanes  =  dot4(codes, xq block)     lane i = sum of bytes 4i..4i+3 products
-  acc[0:8]        +=  float(lanes) * (d * xd[b])
-dot4 is one `vpdpbusd` (AVX-512 VNNI) where the CPU has it, else plain widen-multiply-add IR
-that LLVM turns into pmaddwd + phaddd code (no faster than the float dots): same results. acc lives in a stack
-array (lanes8) that LLVM keeps in a register; sum8 reduces it once per row.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (acc_blocks, dot_rows_b32), in LLVM IR written here (an
+intrinsic; Numba cannot express vector code). These blocks are small (18-34 bytes), so the
+per-block work decides their speed (one block per call: 0.4 / 0.35 / 0.85 of streaming read
+for Q4_0 / Q4_1 / Q8_0 at 2 threads on the Cascade Lake CI VM; this way 0.65-0.75 / 0.65-0.75
+/ 0.8-0.95). A call takes 4 blocks (a pair, a single one at a row's end) and two rows run
+side by side (their calls share the x loads and overlap):
+  codes of blocks j, j + 1 -> one <64 x u8> (Q4 / Q5: [qs_j, qs_j, qs_j+1, qs_j+1] shifted by
+  [0, 4, 0, 4] per 16 bytes, & 15; Q5: | 16 where bit k of [qh_j, qh_j+1] (a 64-bit mask) is
+  set; Q8_0: xor 0x80) -> one 512-bit dot4, its 16 lanes started at xb, the x-side bias
+  -8 / -16 / -128 * (sum of the lane's 4 xq) (Q4_0 / Q5_0 / Q8_0, lane_bias), so no
+  per-block offset remains -> float lanes * [s_j] * 8 + [s_j+1] * 8, s = d * xd;
+  Q4_1 / Q5_1 take their m * xs terms from the same f16 load as d ([d, m] * [xd, xs], xds).
+A call adds one sum to acc (16 float lanes on the caller's stack, kept in a register; one
+add per 4 blocks on the loop-carried chain); sum16 reduces it once per row.
+dot4 is `vpdpbusd` (AVX-512 VNNI) where the CPU has it, else plain widen-multiply-add IR
+that LLVM turns into pmaddwd + phaddd code (no faster than the float dots): same results.
 Error vs float x: about 0.5-1% of the largest output (the 8-bit x), as in llama.cpp.
 
-Q4_0, Q4_1, Q8_0 (acc_blocks, dot_rows_b32): these blocks are small (18-34 bytes), so the
-per-block work decides their speed (one block per call: 0.4 / 0.35 / 0.85 of streaming read
-at 2 threads on the Cascade Lake CI VM; this way 0.65-0.75 / 0.65-0.75 / 0.8-0.95). A call
-takes 4 blocks (a pair, a single one at a row's end) and two rows run side by side (their
-calls share the x loads and overlap):
-  codes of blocks j, j + 1 -> one <64 x u8> (Q4: [qs_j, qs_j, qs_j+1, qs_j+1] shifted by
-  [0, 4, 0, 4] per 16 bytes, & 15) -> one 512-bit dot4, its 16 lanes started at xb, the
-  x-side bias -8 / -128 * (sum of the lane's 4 xq) (Q4_0 / Q8_0), so no per-block offset
-  remains -> float lanes * [s_j] * 8 + [s_j+1] * 8, s = d * xd;
-  Q4_1 takes its m * xs terms from the same f16 load as d ([d, m] * [xd, xs], xds).
-A call adds one sum to acc (one add per 4 blocks on the loop-carried chain).
-
-Adding a block type = an unpack in IR (or reuse acc_q5 / acc_blocks), its
-dot_rows_<type>, a branch in dot_rows_i8.
+Adding a 32-value block type = its unpack in _emit_blocks, block_bytes / lane_bias entries,
+its dot_rows_<type>, a branch in dot_rows_i8 (larger blocks: simd.acc_intrinsic).
 """
 import os
 
 import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8
 from .simd import PREFETCH
-from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lane_sum, lanes16,
-                     load_f16, stack_f32, sum16)
+from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, sum16
 
 _FEATURES = llb.get_host_cpu_features()
 # NBMOE_NO_VNNI=1 forces the generic dot4 (use a separate NUMBA_CACHE_DIR: Numba's cache
@@ -60,69 +55,13 @@ HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and n
 INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) + K_TYPES + IQ4_TYPES  # the last two: quants_k_i8, quants_iq4
 INT8_TYPES += IQ_TYPES  # the grid IQ types: quants_iq_i8
 
-_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I1, _I8, _I32, _I64, _F32 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
-_V8I32, _V8F = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
 
 
-def _vec_ptr(context, builder, aryty, ary, offset, vty):
-    """Pointer to a vty at element `offset` of a 1-D array."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(data, [offset]), vty.as_pointer())
-
-
-def _dot4(builder, codes, xq):
-    """<8 x i32>: lane i = sum over k < 4 of codes[4i + k] (unsigned) * xq[4i + k] (signed)."""
-    if HAS_VNNI:
-        fnty = ir.FunctionType(_V8I32, [_V8I32] * 3)
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.256")
-        return builder.call(fn, [ir.Constant(_V8I32, None), builder.bitcast(codes, _V8I32),
-                                 builder.bitcast(xq, _V8I32)])
-    v32 = ir.VectorType(_I32, 32)
-    p = builder.mul(builder.zext(codes, v32), builder.sext(xq, v32))
-
-    def pair_sums(v, n):  # [v0 + v1, v2 + v3, ...]: the shape of pmaddwd's pairwise add
-        even = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(0, 2 * n, 2))))
-        odd = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(1, 2 * n, 2))))
-        return builder.add(even, odd)
-    return pair_sums(pair_sums(p, 16), 8)
-
-
-def _prefetch(context, builder, sig, row, o):
-    """Ask for the cache line simd.PREFETCH bytes past row[o]: the hardware prefetchers alone
-    leave these loops waiting on memory (see simd.py). A prefetch past the end never faults."""
-    off = builder.add(builder.sext(o, _I64) if o.type != _I64 else o, ir.Constant(_I64, PREFETCH))
-    ptr = _vec_ptr(context, builder, sig.args[1], row, off, _I8)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-        ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-    builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
-def _block_acc(context, builder, sig, args, codes):
-    """acc[0:8] += float(dot4(codes, xq[ox:ox + 32])) * s; args = (acc, row, o, xq, ox, s, ...)."""
-    acc, xq, ox, s = args[0], args[3], args[4], args[5]
-    if PREFETCH:
-        _prefetch(context, builder, sig, args[1], args[2])
-    x = builder.load(_vec_ptr(context, builder, sig.args[3], xq, ox, _V32I8), align=1)
-    ap = _vec_ptr(context, builder, sig.args[0], acc, ir.Constant(_I64, 0), _V8F)
-    sv = builder.insert_element(ir.Constant(_V8F, None), s, ir.Constant(_I32, 0))
-    sv = builder.shuffle_vector(sv, sv, ir.Constant(_V8I32, None))
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-    lanes = builder.sitofp(_dot4(builder, codes, x), _V8F)
-    builder.store(builder.call(fma, [lanes, sv, builder.load(ap, align=4)]), ap, align=4)
-    return context.get_dummy_value()
-
-
-def _nibbles(context, builder, sig, row, o):
-    """<32 x u8>: the low nibbles of row[o:o + 16], then the high nibbles (= values 0..31)."""
-    qs = builder.load(_vec_ptr(context, builder, sig.args[1], row, o, _V16I8), align=1)
-    lo = builder.and_(qs, ir.Constant(_V16I8, [15] * 16))
-    hi = builder.lshr(qs, ir.Constant(_V16I8, [4] * 16))
-    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-
-
-# ---------------------------------------------------------------- Q4_0, Q4_1, Q8_0 (see the top)
-_BLOCK = {Q4_0: (18, 2), Q4_1: (20, 4), Q8_0: (34, 2)}     # bytes per block, offset of qs
+# ---------------------------------------------------------------- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (see the top)
+# bytes per block, offset of qs, offset of qh (the 5th bits of Q5_*)
+_BLOCK = {Q4_0: (18, 2, 0), Q4_1: (20, 4, 0), Q8_0: (34, 2, 0), Q5_0: (22, 6, 2), Q5_1: (24, 8, 4)}
 _V16F, _V16I32, _V64I8 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
 
 
@@ -153,7 +92,8 @@ def _dot4_init(builder, init, codes, xq):
 def _emit_blocks(context, builder, sig, args, qt, n):
     """acc[0:16] += the dots of blocks b..b + n - 1 of one row (see acc_blocks)."""
     b = builder
-    size, qs = _BLOCK[qt]
+    size, qs, qh = _BLOCK[qt]
+    dm_word = qt == Q4_1 or qt == Q5_1                    # [d, m] f16 pair, v = d * q + m
 
     def data(i, offset=None, scale=1):
         base = context.make_array(sig.args[i])(context, b, args[i]).data
@@ -171,10 +111,10 @@ def _emit_blocks(context, builder, sig, args, qt, n):
         for off in range(PREFETCH, PREFETCH + n * size, 64):   # read, keep in all levels, data
             b.call(fn, [b.gep(row, [ir.Constant(_I64, off)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                         ir.Constant(_I32, 1)])
-    # per-block float scales s[j] = d_j * xd_j (and Q4_1's m_j * xs_j, kept in odd lanes)
+    # per-block float scales s[j] = d_j * xd_j (and Q4_1 / Q5_1's m_j * xs_j, kept in odd lanes)
     terms = []
     half = ir.HalfType()
-    if qt == Q4_1:
+    if dm_word:
         dm = [load(row, j * size, _I32) for j in range(n)]           # [d, m] as one word
         v = ir.Constant(ir.VectorType(_I32, n), None)
         for j, w in enumerate(dm):
@@ -208,8 +148,15 @@ def _emit_blocks(context, builder, sig, args, qt, n):
             w16 = b.bitcast(q, ir.VectorType(ir.IntType(16), m // 2))
             w16 = b.lshr(w16, _vconst(w16.type, ([0] * 8 + [4] * 8) * (m // 32)))
             codes = b.and_(b.bitcast(w16, q.type), _vconst(q.type, [15] * m))
+            if qh:                                         # + 16 where bit k of qh is set
+                h = load(row, j * size + qh, _I32)
+                if pair:                                   # block j's bits 0..31, j + 1's 32..63
+                    h = b.or_(b.zext(h, _I64), b.shl(b.zext(load(row, (j + 1) * size + qh, _I32), _I64),
+                                                     ir.Constant(_I64, 32)))
+                bits = b.bitcast(h, ir.VectorType(_I1, m))
+                codes = b.or_(codes, b.select(bits, _vconst(q.type, [16] * m), ir.Constant(q.type, None)))
         lanes = ir.VectorType(_I32, m // 4)
-        init = ir.Constant(lanes, None) if qt == Q4_1 else load(xb, 8 * j, lanes)
+        init = ir.Constant(lanes, None) if dm_word else load(xb, 8 * j, lanes)
         dot = b.sitofp(_dot4_init(b, init, codes, load(xq, 32 * j, ir.VectorType(_I8, m))),
                        ir.VectorType(_F32, m // 4))
         terms.append(b.fmul(dot, _pick(b, s, [j] * 8 + [j + 1] * 8 if pair else [j] * 8), flags=("contract",)))
@@ -230,8 +177,8 @@ def _emit_blocks(context, builder, sig, args, qt, n):
 @intrinsic
 def acc_blocks(typingctx, qt, n, acc, w, o, xq, xd, xb, xds, b):
     """acc[0:16] += sum over j < n of block b + j (at byte o + j * size of w's data) . x, for
-    qt in Q4_0 / Q4_1 / Q8_0 and n in 1, 2, 4, both compile-time constants. x: xq [K], xd [B],
-    xb [K / 4] (Q4_0, Q8_0) and xds [2B] (Q4_1) from prepare_blocks."""
+    qt in Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and n in 1, 2, 4, both compile-time constants.
+    x: xq [K], xd [B], xb [K / 4] (Q4_0, Q5_0, Q8_0) and xds [2B] (Q4_1, Q5_1) from prepare_blocks."""
     if not (isinstance(qt, types.IntegerLiteral) and isinstance(n, types.IntegerLiteral)):
         return None
 
@@ -241,52 +188,44 @@ def acc_blocks(typingctx, qt, n, acc, w, o, xq, xd, xb, xds, b):
     return types.void(qt, n, acc, w, o, xq, xd, xb, xds, b), codegen
 
 
-@intrinsic
-def acc_q5(typingctx, acc, row, o, xq, ox, s, oh):
-    """acc[0:8] += s * dot4(codes, xq[ox:ox + 32]), codes = the nibbles of row[o:o + 16] plus
-    16 where bit k of the uint32 at row[oh:oh + 4] is set: Q5_0 / Q5_1."""
-    def codegen(context, builder, sig, args):
-        codes = _nibbles(context, builder, sig, args[1], args[2])
-        qh = builder.load(_vec_ptr(context, builder, sig.args[1], args[1], args[6], _I32), align=1)
-        bits = builder.zext(builder.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), _V32I8)
-        codes = builder.or_(codes, builder.shl(bits, ir.Constant(_V32I8, [4] * 32)))
-        return _block_acc(context, builder, sig, args, codes)
-    return types.void(acc, row, o, xq, ox, s, oh), codegen
-
-
-sum8 = lane_sum(8)
-_stack_f32x8 = stack_f32(8)
-
-
-@njit(inline="always")
-def lanes8():
-    """8 zeroed float32 lane accumulators on the caller's stack."""
-    acc = carray(_stack_f32x8(), 8)
-    for j in range(8):
-        acc[j] = 0
-    return acc
-
-
 # ---------------------------------------------------------------- x -> 8-bit blocks
+
+_ROUND = f32(12582912.0)
+u64 = np.uint64
+
 
 @njit(cache=True, error_model="numpy")
 def quantize_x(xq, xd, xs, x):
-    """x [K] -> xq [K] int8, xd [B] scales, xs [B] = xd * block sums of xq (see the top)."""
-    for b in range(x.shape[0] // 32):
-        amax = f32(0)
+    """x [K] -> xq [K] int8, xd [B] scales, xs [B] = xd * block sums of xq (see the top).
+    max|x| is taken on the float bits (x & 0x7fffffff as int32: same order for |x|, and NaN
+    patterns sort above inf, so a NaN sticks: xd = NaN, NaN in x gives NaN out): integer
+    loops that LLVM vectorizes (the float compare-and-NaN-check loop stayed scalar, ~1.5 us
+    for K = 576, ~1/4 of a small product's time at 2 threads)."""
+    B = x.shape[0] // 32
+    bits, top = x.view(np.int32), xd.view(np.int32)
+    for b in range(B):
+        m = np.int32(0)
         for i in range(32):
-            a = abs(x[b * 32 + i])
-            if a > amax or a != a:  # a NaN sticks: xd = NaN, so NaN in x gives NaN out
-                amax = a
-        d = amax / f32(127)
+            m = max(m, bits[u64(32 * b + i)] & np.int32(0x7FFFFFFF))
+        top[b] = m
+    for b in range(B):
+        d = xd[b] / f32(127)                   # max|x| / 127
         inv = f32(1) / d if d > 0 else f32(0)
         s = np.int32(0)
         for i in range(32):
-            q = np.int32(np.rint(x[b * 32 + i] * inv))
-            xq[b * 32 + i] = q
+            # rint by the 1.5 * 2^23 trick (exact, halves to even, |v| <= 127): vectorizes
+            q = np.int32((x[u64(32 * b + i)] * inv + _ROUND) - _ROUND)
+            xq[u64(32 * b + i)] = q
             s += q
         xd[b] = d
         xs[b] = d * f32(s)
+
+
+@njit(inline="always")
+def lane_bias(qt):
+    """The offset of the stored codes of the symmetric acc_blocks types (v = d * (q - bias)),
+    carried by prepare_blocks' lane biases xb; 0 for the others."""
+    return 8 if qt == Q4_0 else 16 if qt == Q5_0 else 128 if qt == Q8_0 else 0
 
 
 @njit(cache=True, error_model="numpy")
@@ -294,8 +233,8 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
     """The x extras of acc_blocks: xb [K / 4] int32 = -bias * (sum of xq[4k:4k + 4]) with the
     bias of the stored codes (Q4_0: 8, Q8_0: 128), where xb is longer followed by [B] block
     sums of those (quants_rtr); xds [2B] = (xd, xs) pairs (Q4_1)."""
-    if qtype == Q4_0 or qtype == Q8_0:
-        bias = np.int32(8 if qtype == Q4_0 else 128)
+    if lane_bias(qtype):
+        bias = np.int32(lane_bias(qtype))
         n = xq.shape[0] // 4
         for k in range(n):
             xb[k] = -bias * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
@@ -303,7 +242,7 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
         for b in range(xb.shape[0] - n):   # the repacked kernels' block biases (quants_rtr)
             xb[n + b] = xb[8 * b] + xb[8 * b + 1] + xb[8 * b + 2] + xb[8 * b + 3] + xb[8 * b + 4] \
                 + xb[8 * b + 5] + xb[8 * b + 6] + xb[8 * b + 7]
-    elif qtype == Q4_1:
+    elif qtype == Q4_1 or qtype == Q5_1:
         for b in range(xd.shape[0]):
             xds[2 * b], xds[2 * b + 1] = xd[b], xs[b]
 
@@ -312,11 +251,17 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
 # out [R] <- dequant(w [R, row_bytes]) @ (xq * xd) [K], one row at a time.
 
 @njit(inline="always")
+def block_bytes(qt):
+    """Bytes of one block of the acc_blocks types."""
+    return 18 if qt == Q4_0 else 20 if qt == Q4_1 else 22 if qt == Q5_0 else 24 if qt == Q5_1 else 34
+
+
+@njit(inline="always")
 def dot_rows_b32(qt, out, w, xq, xd, xb, xds):
     """out [R] <- w [R, row_bytes] @ x for Q4_0 / Q4_1 / Q8_0 (qt a constant): rows two at a
     time, 4 blocks per call, then a pair and a single block for the rest of each row. Rows
     are passed as byte offsets into w: a row view w[r] costs an atomic refcount pair."""
-    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    size = block_bytes(qt)
     nb, rs = w.shape[1] // size, w.strides[0]
     n4, n2 = nb // 4 * 4, nb // 2 * 2
     for r in range(0, w.shape[0] - 1, 2):
@@ -359,24 +304,13 @@ def dot_rows_q4_1(out, w, xq, xd, xb, xds):   # d:f16 m:f16 qs:16
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q5_0(out, w, xq, xd, xs):        # d:f16 qh:4 qs:16
-    for r in range(w.shape[0]):
-        row, acc, off = w[r], lanes8(), f32(0)
-        for b in range(row.shape[0] // 22):
-            d = load_f16(row, b * 22)
-            acc_q5(acc, row, b * 22 + 6, xq, b * 32, d * xd[b], b * 22 + 2)
-            off += d * xs[b]
-        out[r] = sum8(acc) - f32(16) * off
+def dot_rows_q5_0(out, w, xq, xd, xb, xds):   # d:f16 qh:4 qs:16
+    dot_rows_b32(Q5_0, out, w, xq, xd, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q5_1(out, w, xq, xd, xs):        # d:f16 m:f16 qh:4 qs:16
-    for r in range(w.shape[0]):
-        row, acc, off = w[r], lanes8(), f32(0)
-        for b in range(row.shape[0] // 24):
-            acc_q5(acc, row, b * 24 + 8, xq, b * 32, load_f16(row, b * 24) * xd[b], b * 24 + 4)
-            off += load_f16(row, b * 24 + 2) * xs[b]
-        out[r] = sum8(acc) + off
+def dot_rows_q5_1(out, w, xq, xd, xb, xds):   # d:f16 m:f16 qh:4 qs:16
+    dot_rows_b32(Q5_1, out, w, xq, xd, xb, xds)
 
 
 @njit(cache=True, error_model="numpy")
@@ -390,9 +324,9 @@ def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
     elif qtype == Q8_0:
         dot_rows_q8_0(out, w, xq, xd, xb, xds)
     elif qtype == Q5_0:
-        dot_rows_q5_0(out, w, xq, xd, xs)
+        dot_rows_q5_0(out, w, xq, xd, xb, xds)
     elif qtype == Q5_1:
-        dot_rows_q5_1(out, w, xq, xd, xs)
+        dot_rows_q5_1(out, w, xq, xd, xb, xds)
     elif qtype in K_TYPES:
         quants_k_i8.dot_rows_k_i8(qtype, out, w, xq, xd, xs)
     elif qtype in IQ4_TYPES:
