@@ -194,20 +194,13 @@ def mul_mat_plain(out, w, x, qtype):
 # ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
 # ITEM_BYTES). Parallel over runs.
 
-@njit  # (not cached: Numba cannot cache its thread-count global)
-def _threads():
-    """numba.get_num_threads() for Python callers: 0.07 us this way, 1.5 us directly (its
-    Python version checks the pool first), paid by every unfused product of a token."""
-    return numba.get_num_threads()
-
-
 def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
     such that the items come in whole rounds of the threads (repacked: whole groups)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
-    nt = _threads()
+    nt = numba.get_num_threads()
     n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
     return max(unit, (rows + unit - 1) // unit * unit)
