@@ -187,6 +187,76 @@ def _quantize_block(xi, xq, xf, x, bits, j, t, G):
         xi[xb + NT], xf[xs + NT] = -128 * s1, d * f32(s1)
 
 
+def _hreduce16(b, vs, op):
+    """<16 x T>: lane j = op-reduction of the 16 lanes of vs[j] (16 vectors), by halving: each
+    step pairs vectors, keeps half of each one's partial results side by side, and applies op
+    (15 steps of 2 shuffles + op, instead of a 5-step tree per vector)."""
+    width = 16
+    while len(vs) > 1:
+        h = width // 2                                  # lanes per block after this step
+        lo, hi = [], []
+        for blk in range(16 // width):                  # each input holds 16 / width blocks
+            lo += [blk * width + i for i in range(h)]
+            hi += [blk * width + h + i for i in range(h)]
+        out = []
+        for a, c in zip(vs[0::2], vs[1::2]):
+            pick = lambda idx: b.shuffle_vector(a, c, ir.Constant(vec(I32, 16), idx + [16 + i for i in idx]))
+            out.append(op(pick(lo), pick(hi)))
+        vs, width = out, h
+    return vs[0]
+
+
+@intrinsic
+def _quantize16(typingctx, X, x, j0, t, G):
+    """x-blocks j0..j0 + 15 of slot t (x: its row) into records j0.. of a group (X, uint32),
+    as _quantize_block does one: per-block maxima, scales and sums 16 at a time."""
+    if not isinstance(G, types.IntegerLiteral):
+        return None
+    g = G.literal_value
+    XW, n = x_record(g), 32 // g
+
+    def codegen(context, b, sig, args):
+        X_, x_, j0, t, _ = args
+        v16i, v16f = vec(I32, 16), vec(F32, 16)
+
+        def c(v):
+            return ir.Constant(I64, v)
+        xp = b.gep(context.make_array(sig.args[1])(context, b, x_).data, [b.mul(j0, c(32))])
+        v = [b.load(b.bitcast(b.gep(xp, [c(16 * i)]), v16f.as_pointer()), align=4) for i in range(32)]
+        mask = ir.Constant(v16i, [0x7FFFFFFF] * 16)
+        absb = [b.and_(b.bitcast(u, v16i), mask) for u in v]
+        umax = lambda p, q: b.select(b.icmp_unsigned(">", p, q), p, q)
+        amax = _hreduce16(b, [umax(absb[2 * j], absb[2 * j + 1]) for j in range(16)], umax)
+        d = b.fdiv(b.bitcast(amax, v16f), ir.Constant(v16f, [127.0] * 16))
+        inv = b.select(b.fcmp_ordered(">", d, ir.Constant(v16f, None)),
+                       b.fdiv(ir.Constant(v16f, [1.0] * 16), d), ir.Constant(v16f, None))
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16f, [v16f]), "llvm.rint.v16f32")
+        words = b.bitcast(context.make_array(sig.args[0])(context, b, X_).data, I32.as_pointer())
+        rec = b.gep(words, [b.add(b.mul(j0, c(XW)), t)])            # word t of record j0
+        codes = b.gep(b.bitcast(b.gep(words, [b.mul(j0, c(XW))]), I8.as_pointer()), [b.mul(t, c(32))])
+        halves = ([], [])
+        for j in range(16):
+            s = b.shuffle_vector(inv, inv, ir.Constant(vec(I32, 16), [j] * 16))
+            for h in range(2):
+                q = b.fptosi(b.call(rint, [b.fmul(v[2 * j + h], s)]), v16i)
+                halves[h].append(q)
+                dst = b.gep(codes, [c(4 * XW * j + 16 * h)])
+                b.store(b.trunc(q, vec(I8, 16)), b.bitcast(dst, vec(I8, 16).as_pointer()), align=1)
+        s0, s1 = (_hreduce16(b, hs, b.add) for hs in halves)
+        sums = [b.add(s0, s1)] if n == 1 else [s0, s1]
+        fields = [(8 * NT, d)]
+        for i, sm in enumerate(sums):
+            fields.append((9 * NT + i * NT, b.mul(sm, ir.Constant(v16i, [-128] * 16))))
+            fields.append((9 * NT + (n + i) * NT, b.fmul(d, b.sitofp(sm, v16f))))
+        for j in range(16):
+            for off, val in fields:
+                e = b.extract_element(val, ir.Constant(I32, j))
+                p = b.gep(rec, [c(j * XW + off)])
+                b.store(e if e.type == I32 else b.bitcast(e, I32), p, align=4)
+        return context.get_dummy_value()
+    return types.void(X, x, j0, t, G), codegen
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def prepare_x(x, slot_x, G):
     """Slot groups of x [N, K] (slot_x [S]: x row of each slot, -1: none; S = groups * NT):
@@ -202,7 +272,12 @@ def prepare_x(x, slot_x, G):
             if n >= 0:
                 row = x[n]
                 bits = row.view(np.uint32)
-                for j in range(B):
+                for j in range(0, B - 15, 16):
+                    if G == 32:
+                        _quantize16(X, row, j, t, 32)
+                    else:
+                        _quantize16(X, row, j, t, 16)
+                for j in range(B // 16 * 16, B):
                     _quantize_block(xi, xq, xf, row, bits, j, t, G)
             else:                                # no token: xd = xs = 0, the codes unused
                 for j in range(B):
