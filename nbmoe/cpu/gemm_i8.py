@@ -7,8 +7,8 @@ NT = 8 tokens of a group (accumulators in registers), G = 32 or 16 values per we
 n = 32 / G weight groups per x-block.
 
 x (prepare_x, once per call): each token (a "slot"; mul_mat_id: a (token, expert) pair) is
-quantized as quantize_x does (xq int8, xd per 32 values), and laid out per group of NT slots
-as B records (XW words), one per x-block j:
+quantized as quantize_x does (xq int8, xd per 32 values; 16 x-blocks at a time in IR), and
+laid out per group of NT slots as B records (XW words), one per x-block j:
     xq [NT][32] int8 | xd [NT] f32 | xb [n][NT] int32 = -128 * (sum of xq over G) |
     xs [n][NT] f32 = xd * (sum of xq over G)
 Weights (gemm_unpack, once per work item): a panel of 16 rows of one matrix (zeros past M)
@@ -19,9 +19,9 @@ as 8-bit codes c + 128 (c the signed integer code, value = s * c + o), B records
         row   0  0  0  0 | 1  1  1  1 | ... | 15 15 15 15
         value 32j+4k .. +3 (the same 4 values of every row)
 Records keep every load of the inner loop at a constant offset from two pointers (x record,
-panel record): base + displacement addresses are one fused uop each, indexed ones two, and
-the issue width (4 uops a cycle) was what bounded this loop (~0.6x as fast with separate
-arrays for xq, xd, xb, xs, s and o).
+panel record): base + displacement addresses are one fused uop each, indexed ones two (with
+separate arrays for xq, xd, ... the loop was 12% slower). What bounds it now: the two 512-bit
+ports, 64 vpdpbusd + 24-32 float ops an x-block (~56 cycles measured, 48 the bound).
 Equation, for slot t, row r, weight group g (G values) in x-block j:
     out[t, r] = sum_j xd[t, j] * sum_(g in j) s[g, r] * dot_g  +  sum_g o[g, r] * xs[t, g]
     dot_g = xb[t, g] + sum_(k in g) (c[k, r] + 128) * xq[t, k]      (exact in int32)
