@@ -88,6 +88,16 @@ def test_mul_mat_id(name, shared_x):
     assert max_rel(out, ref_mul_mat_id(w_plain, base, x, ids)) < RTOL_X8
 
 
+def test_nan_propagates():
+    """A NaN in a token's x makes that token's outputs NaN, and only its."""
+    w, qt, _ = weights((37,), "Q4_K", seed=8)
+    x = rnd(10, 512, seed=9)
+    x[3, 300] = np.nan
+    out = np.zeros((10, 37), np.float32)
+    matmul.mul_mat(out, w, x, qt)
+    assert np.all(np.isnan(out[3])) and np.all(np.isfinite(np.delete(out, 3, 0)))
+
+
 def test_gemm_off(monkeypatch):
     """NBMOE_GEMM_I8=0: dequantize + BLAS, exact."""
     monkeypatch.setattr(matmul, "GEMM_I8", False)

@@ -1,29 +1,36 @@
 """Batched integer products (prompts): out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T with
 x quantized to 8 bits and the weights' integer codes, AVX-512 VNNI `vpdpbusd`, in Numba's
-thread pool (no BLAS). matmul uses it for T >= BLAS_MIN_T tokens sharing a weight matrix.
+thread pool (no BLAS). matmul uses it for T >= GEMM_MIN_T tokens sharing a weight matrix.
 
 Letters as in matmul.py: T tokens, M rows, K values per row, B = K / 32 x-blocks, E experts;
-NT = 8 tokens of a group (accumulators in registers), G = 32 or 16 values per weight scale.
+NT = 8 tokens of a group (accumulators in registers), G = 32 or 16 values per weight scale,
+n = 32 / G weight groups per x-block.
 
 x (prepare_x, once per call): each token (a "slot"; mul_mat_id: a (token, expert) pair) is
-quantized as quantize_x does (xq int8, xd per 32 values), then laid out per group of NT slots:
-    xq [B][NT][32] int8   xd [B][NT] f32   xb [K/G][NT] int32 = -128 * (sum of xq over G)
-    xs [K/G][NT] f32 = xd * (sum of xq over G)
-Weights (gemm_unpack, once per work item): a panel of 16 rows of one matrix, rows padded with
-zeros past M, as 8-bit codes c + 128 (c the signed integer code, value = s * c + o):
-    codes [K/4][16][4] u8 (one 512-bit vector per 4 values of the 16 rows, as quants_rtr)
-        byte  0  1  2  3 | 4  5  6  7 | ... | 60 61 62 63      vector k
+quantized as quantize_x does (xq int8, xd per 32 values; 16 x-blocks at a time in IR), and
+laid out per group of NT slots as B records (XW words), one per x-block j:
+    xq [NT][32] int8 | xd [NT] f32 | xb [n][NT] int32 = -128 * (sum of xq over G) |
+    xs [n][NT] f32 = xd * (sum of xq over G)
+Weights (gemm_unpack, once per work item): a panel of 16 rows of one matrix (zeros past M)
+as 8-bit codes c + 128 (c the signed integer code, value = s * c + o), B records (PW words):
+    codes [8][16][4] u8 | s [n][16] f32 | o [n][16] f32 (o: zeros unless the type has offsets)
+    codes of record j, one 512-bit vector k per 4 values (as quants_rtr):
+        byte  0  1  2  3 | 4  5  6  7 | ... | 60 61 62 63
         row   0  0  0  0 | 1  1  1  1 | ... | 15 15 15 15
-        value 4k .. 4k+3 | 4k .. 4k+3 | ... | 4k .. 4k+3
-    s, o [K/G][16] f32 (o only for the types with an offset: HAS_M)
+        value 32j+4k .. +3 (the same 4 values of every row)
+Records keep every load of the inner loop at a constant offset from two pointers (x record,
+panel record): base + displacement addresses are one fused uop each, indexed ones two (with
+separate arrays for xq, xd, ... the loop was 12% slower). What bounds it now: the two 512-bit
+ports, 64 vpdpbusd + 24-32 float ops an x-block (~56 cycles measured, 48 the bound).
 Equation, for slot t, row r, weight group g (G values) in x-block j:
     out[t, r] = sum_j xd[t, j] * sum_(g in j) s[g, r] * dot_g  +  sum_g o[g, r] * xs[t, g]
     dot_g = xb[t, g] + sum_(k in g) (c[k, r] + 128) * xq[t, k]      (exact in int32)
 dot_g is one vpdpbusd chain (u8 codes x the broadcast 4 x codes of the slot) of G / 4 steps
 started at xb; then per slot float(dot) * s (* xd) into 16 float lanes (= the 16 rows).
-Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a slot, the 8
-weight vectors loaded once. Loop order: panel outer (unpacked once, L1/L2), slot groups,
-x-blocks. Parallel over (job, panel) work items; a job = one matrix and a run of slot groups.
+Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a slot (k outer:
+8 independent chains), the 8 weight vectors loaded once. Loop order: panel outer (unpacked
+once, L1/L2), slot groups, x-blocks. Parallel over (job, panel) work items; a job = one
+matrix and a run of slot groups.
 """
 import numba
 import numpy as np
@@ -32,81 +39,85 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemm_unpack import group_size, has_m, unpack
+from .gemm_unpack import group_size, has_m, panel_words, record_words, unpack
 from .quants import f32, stack_f32
 from .quants_int8 import _dot4_init
-from .simd import F32, I32, I64, vec
+from .simd import F32, I8, I32, I64, vec
 
 NT = 8          # slots per group
-u64 = np.uint64
 ROWS = 16       # rows per panel
+u64 = np.uint64
 
 _stack_acc = stack_f32(NT * ROWS)
+
+
+def x_record(G):
+    """uint32 words of an x record (see the top)."""
+    return 8 * NT + NT + 2 * NT * (32 // G)
+
+
+x_words = njit(inline="always")(x_record)
 
 
 # ---------------------------------------------------------------- the micro-kernel (IR)
 
 def _emit_block(context, b, sig, args, G, has_m):
     """acc[t, 0:16] += slot t's dot of x-block j with the panel's 16 rows, t < NT."""
-    _, _, acc, P, S, O, xq, xd, xs, xb, j = args
+    _, _, acc, P, X, j = args
     n = 32 // G                                      # weight groups in the x-block
-
-    def data(i):
-        return context.make_array(sig.args[i])(context, b, args[i]).data
-
-    def at(ptr, off, ty):   # a ty at element offset off (i64) of ptr, unaligned
-        return b.load(b.bitcast(b.gep(ptr, [off]), ty.as_pointer()), align=1)
 
     def c(v):
         return ir.Constant(I64, v)
 
-    def splat(v, m=16):
-        one = b.insert_element(ir.Constant(vec(v.type, m), None), v, ir.Constant(I32, 0))
-        return b.shuffle_vector(one, one, ir.Constant(vec(I32, m), None))
+    def rec(i, words):                               # record j of array argument i, as i32*
+        data = context.make_array(sig.args[i])(context, b, args[i]).data
+        return b.bitcast(b.gep(b.bitcast(data, I32.as_pointer()), [b.mul(j, c(words))]), I32.as_pointer())
 
-    v16i, v16f = vec(I32, 16), vec(F32, 16)
+    def at(ptr, word, ty):
+        return b.load(b.bitcast(b.gep(ptr, [c(word)]), ty.as_pointer()), align=4)
+
+    def splat(v):
+        one = b.insert_element(ir.Constant(vec(v.type, 16), None), v, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, one, ir.Constant(vec(I32, 16), None))
+
+    v16i, v16f, v64b = vec(I32, 16), vec(F32, 16), vec(I8, 64)
     j = b.sext(j, I64) if j.type != I64 else j
-    p, s_, o_ = data(3), data(4), data(5)
-    xq_, xd_, xs_, xb_ = data(6), data(7), data(8), data(9)
-    W = [at(p, b.add(b.mul(j, c(128)), c(16 * k)), v16i) for k in range(8)]
-    s = [at(s_, b.add(b.mul(j, c(16 * n)), c(16 * g)), v16f) for g in range(n)]
-    o = [at(o_, b.add(b.mul(j, c(16 * n)), c(16 * g)), v16f) for g in range(n)] if has_m else []
-    xblock = b.mul(j, c(NT * 32))
+    p, x = rec(3, record_words(G)), rec(4, x_record(G))
+    W = [at(p, 16 * k, v16i) for k in range(8)]
+    s = [at(p, 128 + 16 * g, v16f) for g in range(n)]
+    o = [at(p, 128 + 16 * (n + g), v16f) for g in range(n)] if has_m else []
+    XD, XB, XS = 8 * NT, 9 * NT, 9 * NT + n * NT    # word offsets in the x record
     # int32 chains: slot t, group g; k outer so that the NT independent chains interleave
-    dots = [[splat(b.load(b.gep(xb_, [b.add(b.mul(j, c(n * NT)), c(g * NT + t))])))
-             for g in range(n)] for t in range(NT)]
+    dots = [[splat(at(x, XB + g * NT + t, I32)) for g in range(n)] for t in range(NT)]
     for k in range(8):
         g = k * 4 // G
         for t in range(NT):
-            x4 = b.load(b.bitcast(b.gep(xq_, [b.add(xblock, c(32 * t + 4 * k))]), I32.as_pointer()), align=1)
-            dots[t][g] = _dot4_init(b, dots[t][g], b.bitcast(W[k], vec(ir.IntType(8), 64)),
-                                    b.bitcast(splat(x4), vec(ir.IntType(8), 64)))
-    ap = b.bitcast(data(2), v16f.as_pointer())
+            x4 = b.bitcast(splat(at(x, 8 * t + k, I32)), v64b)
+            dots[t][g] = _dot4_init(b, dots[t][g], b.bitcast(W[k], v64b), x4)
+    ap = b.bitcast(context.make_array(sig.args[2])(context, b, acc).data, v16f.as_pointer())
     for t in range(NT):
         f = b.fmul(b.sitofp(dots[t][0], v16f), s[0], flags=("contract",))
         if n == 2:
             f = b.fadd(f, b.fmul(b.sitofp(dots[t][1], v16f), s[1], flags=("contract",)), flags=("contract",))
-        xdt = b.load(b.gep(xd_, [b.add(b.mul(j, c(NT)), c(t))]))
         pt = b.gep(ap, [c(t)])
-        a = b.fadd(b.load(pt, align=4), b.fmul(f, splat(xdt), flags=("contract",)), flags=("contract",))
+        a = b.fadd(b.load(pt, align=4), b.fmul(f, splat(at(x, XD + t, F32)), flags=("contract",)),
+                   flags=("contract",))
         for g in range(len(o)):
-            xst = b.load(b.gep(xs_, [b.add(b.mul(j, c(n * NT)), c(g * NT + t))]))
-            a = b.fadd(a, b.fmul(o[g], splat(xst), flags=("contract",)), flags=("contract",))
+            a = b.fadd(a, b.fmul(o[g], splat(at(x, XS + g * NT + t, F32)), flags=("contract",)), flags=("contract",))
         b.store(a, pt, align=4)
 
 
 @intrinsic
-def acc_block(typingctx, G, has_m, acc, P, S, O, xq, xd, xs, xb, j):
-    """acc [NT * 16] += x-block j of a slot group (xq, xd, xs, xb: the group's arrays) dotted
-    with the panel (P: codes as uint32 [K/4 * 16], S, O: [K/G * 16]); G (32 or 16) and has_m
-    compile-time constants."""
+def acc_block(typingctx, G, has_m, acc, P, X, j):
+    """acc [NT * 16] += x-block j of a slot group (X: its x records, uint32) dotted with the
+    panel (P: its records, uint32); G (32 or 16) and has_m compile-time constants."""
     if not (isinstance(G, types.IntegerLiteral) and isinstance(has_m, types.BooleanLiteral)):
         return None
 
     def codegen(context, builder, sig, args):
         _emit_block(context, builder, sig, args, G.literal_value, has_m.literal_value)
         return context.get_dummy_value()
-    return types.void(G, has_m, acc, P, S, O, xq, xd, xs, xb, j), codegen
+    return types.void(G, has_m, acc, P, X, j), codegen
 
 
 @intrinsic
@@ -155,66 +166,140 @@ def _round32(typingctx, xq, o, x, xo, inv):
 
 
 @njit(inline="always")
-def _quantize_block(xq, xd, xs, xb, x, bits, j, t, G):
-    """x-block j of slot t (x: the slot's row, bits: the same as uint32) into the group's
-    arrays, as quantize_x: amax as the largest |x| bit pattern (a NaN is larger than any
-    number: it sticks, as in quantize_x). Unsigned indices: no negative-index fix-ups."""
+def _quantize_block(xi, xq, xf, x, bits, j, t, G):
+    """x-block j of slot t (x: the slot's row, bits: the same as uint32) into record j of its
+    group (as int32 xi, int8 xq, float32 xf), as quantize_x: amax as the largest |x| bit
+    pattern (a NaN is larger than any number: it sticks, as in quantize_x)."""
     amax = u64(0)
     for i in range(32):
         a = u64(bits[u64(32 * j + i)] & np.uint32(0x7FFFFFFF))
         amax = a if a > amax else amax
     d = np.uint32(amax).view(np.float32) / f32(127)
     inv = f32(1) / d if d > 0 else f32(0)
-    s0, s1 = _round32(xq, (j * NT + t) * 32, x, 32 * j, inv)
-    xd[j * NT + t] = d
+    r = j * x_words(G)
+    s0, s1 = _round32(xq, 4 * r + 32 * t, x, 32 * j, inv)
+    xf[r + 8 * NT + t] = d
+    xb, xs = r + 9 * NT + t, r + 9 * NT + (32 // G) * NT + t
     if G == 32:
-        xb[j * NT + t], xs[j * NT + t] = -128 * (s0 + s1), d * f32(s0 + s1)
+        xi[xb], xf[xs] = -128 * (s0 + s1), d * f32(s0 + s1)
     else:
-        xb[2 * j * NT + t], xs[2 * j * NT + t] = -128 * s0, d * f32(s0)
-        xb[(2 * j + 1) * NT + t], xs[(2 * j + 1) * NT + t] = -128 * s1, d * f32(s1)
+        xi[xb], xf[xs] = -128 * s0, d * f32(s0)
+        xi[xb + NT], xf[xs + NT] = -128 * s1, d * f32(s1)
+
+
+def _hreduce16(b, vs, op):
+    """<16 x T>: lane j = op-reduction of the 16 lanes of vs[j] (16 vectors), by halving: each
+    step pairs vectors, keeps half of each one's partial results side by side, and applies op
+    (15 steps of 2 shuffles + op, instead of a 5-step tree per vector)."""
+    width = 16
+    while len(vs) > 1:
+        h = width // 2                                  # lanes per block after this step
+        lo, hi = [], []
+        for blk in range(16 // width):                  # each input holds 16 / width blocks
+            lo += [blk * width + i for i in range(h)]
+            hi += [blk * width + h + i for i in range(h)]
+        out = []
+        for a, c in zip(vs[0::2], vs[1::2]):
+            pick = lambda idx: b.shuffle_vector(a, c, ir.Constant(vec(I32, 16), idx + [16 + i for i in idx]))
+            out.append(op(pick(lo), pick(hi)))
+        vs, width = out, h
+    return vs[0]
+
+
+@intrinsic
+def _quantize16(typingctx, X, x, j0, t, G):
+    """x-blocks j0..j0 + 15 of slot t (x: its row) into records j0.. of a group (X, uint32),
+    as _quantize_block does one: per-block maxima, scales and sums 16 at a time."""
+    if not isinstance(G, types.IntegerLiteral):
+        return None
+    g = G.literal_value
+    XW, n = x_record(g), 32 // g
+
+    def codegen(context, b, sig, args):
+        X_, x_, j0, t, _ = args
+        v16i, v16f = vec(I32, 16), vec(F32, 16)
+
+        def c(v):
+            return ir.Constant(I64, v)
+        xp = b.gep(context.make_array(sig.args[1])(context, b, x_).data, [b.mul(j0, c(32))])
+        v = [b.load(b.bitcast(b.gep(xp, [c(16 * i)]), v16f.as_pointer()), align=4) for i in range(32)]
+        mask = ir.Constant(v16i, [0x7FFFFFFF] * 16)
+        absb = [b.and_(b.bitcast(u, v16i), mask) for u in v]
+        umax = lambda p, q: b.select(b.icmp_unsigned(">", p, q), p, q)
+        amax = _hreduce16(b, [umax(absb[2 * j], absb[2 * j + 1]) for j in range(16)], umax)
+        d = b.fdiv(b.bitcast(amax, v16f), ir.Constant(v16f, [127.0] * 16))
+        inv = b.select(b.fcmp_ordered(">", d, ir.Constant(v16f, None)),
+                       b.fdiv(ir.Constant(v16f, [1.0] * 16), d), ir.Constant(v16f, None))
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16f, [v16f]), "llvm.rint.v16f32")
+        words = b.bitcast(context.make_array(sig.args[0])(context, b, X_).data, I32.as_pointer())
+        rec = b.gep(words, [b.add(b.mul(j0, c(XW)), t)])            # word t of record j0
+        codes = b.gep(b.bitcast(b.gep(words, [b.mul(j0, c(XW))]), I8.as_pointer()), [b.mul(t, c(32))])
+        halves = ([], [])
+        for j in range(16):
+            s = b.shuffle_vector(inv, inv, ir.Constant(vec(I32, 16), [j] * 16))
+            for h in range(2):
+                q = b.fptosi(b.call(rint, [b.fmul(v[2 * j + h], s)]), v16i)
+                halves[h].append(q)
+                dst = b.gep(codes, [c(4 * XW * j + 16 * h)])
+                b.store(b.trunc(q, vec(I8, 16)), b.bitcast(dst, vec(I8, 16).as_pointer()), align=1)
+        s0, s1 = (_hreduce16(b, hs, b.add) for hs in halves)
+        sums = [b.add(s0, s1)] if n == 1 else [s0, s1]
+        fields = [(8 * NT, d)]
+        for i, sm in enumerate(sums):
+            fields.append((9 * NT + i * NT, b.mul(sm, ir.Constant(v16i, [-128] * 16))))
+            fields.append((9 * NT + (n + i) * NT, b.fmul(d, b.sitofp(sm, v16f))))
+        for j in range(16):
+            for off, val in fields:
+                e = b.extract_element(val, ir.Constant(I32, j))
+                p = b.gep(rec, [c(j * XW + off)])
+                b.store(e if e.type == I32 else b.bitcast(e, I32), p, align=4)
+        return context.get_dummy_value()
+    return types.void(X, x, j0, t, G), codegen
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def prepare_x(x, slot_x, G):
     """Slot groups of x [N, K] (slot_x [S]: x row of each slot, -1: none; S = groups * NT):
-    xq [groups, K * NT] int8, xd [groups, B * NT], xs, xb [groups, K / G * NT] (see the top)."""
+    uint32 [groups, B * x_words(G)], B records per group (see the top)."""
     K = x.shape[1]
-    B, ng, n_groups = K // 32, K // G, slot_x.shape[0] // NT
-    Xq = np.empty((n_groups, K * NT), np.int8)      # an empty slot's codes are never used:
-    Xd = np.empty((n_groups, B * NT), np.float32)   # its xd and xs are 0
-    Xs = np.empty((n_groups, ng * NT), np.float32)
-    Xb = np.empty((n_groups, ng * NT), np.int32)
+    B, n_groups, XW = K // 32, slot_x.shape[0] // NT, x_words(G)
+    Xa = np.empty((n_groups, B * XW), np.uint32)
     for grp in prange(n_groups):
-        xq, xd, xs, xb = Xq[grp], Xd[grp], Xs[grp], Xb[grp]
+        X = Xa[grp]
+        xi, xq, xf = X.view(np.int32), X.view(np.int8), X.view(np.float32)
         for t in range(NT):
             n = slot_x[grp * NT + t]
             if n >= 0:
                 row = x[n]
                 bits = row.view(np.uint32)
+                for j in range(0, B - 15, 16):
+                    if G == 32:
+                        _quantize16(X, row, j, t, 32)
+                    else:
+                        _quantize16(X, row, j, t, 16)
+                for j in range(B // 16 * 16, B):
+                    _quantize_block(xi, xq, xf, row, bits, j, t, G)
+            else:                                # no token: xd = xs = 0, the codes unused
                 for j in range(B):
-                    _quantize_block(xq, xd, xs, xb, row, bits, j, t, G)
-            else:
-                for j in range(B):
-                    xd[j * NT + t] = 0
-                for h in range(ng):
-                    xs[h * NT + t], xb[h * NT + t] = 0, 0
-    return Xq, Xd, Xs, Xb
+                    for i in range(8 * NT + t, XW, NT):
+                        X[j * XW + i] = 0
+    return Xa
 
 
 # ---------------------------------------------------------------- the product
 
 @njit(inline="always")
-def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
+def _panel_groups(G, HM, out, P, Xa, slot_o, g0, g1, r0, nr):
     """out rows of slots in groups g0..g1 - 1, columns r0..r0 + nr - 1 <- panel . x."""
-    B = Xd.shape[1] // NT
+    B = Xa.shape[1] // x_words(G)
     flat = out.reshape(out.shape[0] * out.shape[1])
     for grp in range(g0, g1):
         acc = carray(_stack_acc(), NT * ROWS)
         for i in range(NT * ROWS):
             acc[i] = 0
-        xq, xd, xs, xb = Xq[grp], Xd[grp], Xs[grp], Xb[grp]
+        X = Xa[grp]
         for j in range(B):
-            acc_block(G, HM, acc, P, S, O, xq, xd, xs, xb, j)
+            acc_block(G, HM, acc, P, X, j)
         for t in range(NT):
             orow = slot_o[grp * NT + t]
             if orow >= 0:
@@ -222,34 +307,31 @@ def _panel_groups(G, HM, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
 
 
 @njit(cache=True, error_model="numpy")
-def _item(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr):
+def _item(out, w, qtype, Xa, slot_o, g0, g1, r0, nr):
     """One work item: unpack rows r0..r0 + nr - 1 of w [M, row_bytes], then the slot groups
     g0..g1 - 1 (a function of its own: the parallel loop's body stays small to compile)."""
-    K = Xq.shape[1] // NT
     G = group_size(qtype)
-    P = np.empty(K // 4 * ROWS, np.uint32)
-    S = np.empty(K // G * ROWS, np.float32)
-    O = np.empty(K // G * ROWS, np.float32)
-    unpack(qtype, P, S, O, w, r0, nr)
+    P = np.empty(Xa.shape[1] // x_words(G) * panel_words(G), np.uint32)
+    unpack(qtype, P, w, r0, nr)
     if G == 32 and has_m(qtype):
-        _panel_groups(32, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        _panel_groups(32, True, out, P, Xa, slot_o, g0, g1, r0, nr)
     elif G == 32:
-        _panel_groups(32, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        _panel_groups(32, False, out, P, Xa, slot_o, g0, g1, r0, nr)
     elif has_m(qtype):
-        _panel_groups(16, True, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        _panel_groups(16, True, out, P, Xa, slot_o, g0, g1, r0, nr)
     else:
-        _panel_groups(16, False, out, P, S, O, Xq, Xd, Xs, Xb, slot_o, g0, g1, r0, nr)
+        _panel_groups(16, False, out, P, Xa, slot_o, g0, g1, r0, nr)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def gemm(out, w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs):
+def gemm(out, w, qtype, Xa, slot_o, jobs):
     """out [N, M]: out[slot_o[s]] = dequant(w[e]) @ x of slot s, for the slots of each job
     (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]."""
     M = w.shape[1]
     n_panels = (M + ROWS - 1) // ROWS
     for item in prange(jobs.shape[0] * n_panels):
         job, p = item // n_panels, item % n_panels
-        _item(out, w[jobs[job, 0]], qtype, Xq, Xd, Xs, Xb, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
+        _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
               min(ROWS, M - p * ROWS))
 
 
@@ -266,9 +348,9 @@ def mul_mat(out, w, x, qtype):
     T = x.shape[0]
     s = np.full((T + NT - 1) // NT * NT, -1, np.int64)
     s[:T] = np.arange(T)
-    Xq, Xd, Xs, Xb = prepare_x(x, s, group_size(qtype))
+    Xa = prepare_x(x, s, group_size(qtype))
     jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, numba.get_num_threads())
-    gemm(out, w[None], qtype, Xq, Xd, Xs, Xb, s, jobs)
+    gemm(out, w[None], qtype, Xa, s, jobs)
 
 
 @njit(cache=True, error_model="numpy")
@@ -306,6 +388,6 @@ def mul_mat_id(out, w, x, ids, qtype, order, start, min_pairs):
     slot_x, slot_o, jobs = _expert_slots(ids, X, order, start, min_pairs)
     if jobs.shape[0] == 0:
         return
-    Xq, Xd, Xs, Xb = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
+    Xa = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
     with numba.parallel_chunksize(1):     # items differ in cost (experts' token counts): dynamic
-        gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xq, Xd, Xs, Xb, slot_o, jobs)
+        gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xa, slot_o, jobs)

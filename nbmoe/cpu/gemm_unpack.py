@@ -1,10 +1,11 @@
 """Weight panels for gemm_i8: 16 rows of a matrix unpacked to 8-bit codes and float scales.
 
-Panel (gemm_i8 draws it): P [K/4][16] uint32, word (k, r) = the 4 codes of values 4k..4k+3
-of row r, each byte c + 128 with c the signed integer code; S, O [K/G][16] float32 with
-value = S * c + O over each group of G values (G = group_size(qtype): 32, or 16 where the
-scale changes every 16 values). O is written only for HAS_M types (a float offset per group).
-Rows past the matrix's end are zero codes (byte 128) with S = O = 0.
+Panel (gemm_i8 draws it): P uint32, a record of panel_words(G) words per 32 values (x-block):
+codes [8][16] words, word (k, r) = the 4 codes of values 4k..4k+3 of row r, each byte c + 128
+with c the signed integer code; then S [n][16] and O [n][16] float32 with value = S * c + O
+over each group of G values (G = group_size(qtype): 32, or 16 where the scale changes every
+16 values; n = 32 / G). O is written only for HAS_M types (a float offset per group). Rows past
+the matrix's end are zero codes (byte 128) with S = O = 0.
 
 Codes, per type (block layouts: quants.py, quants_k.py, quants_iq4.py, quants_iq.py):
   Q4_0 q - 8   Q5_0 q - 16   Q8_0 q     Q4_1, Q5_1 q (+ O = m)
@@ -51,6 +52,16 @@ def group_size(qtype):
 @njit(inline="always")
 def has_m(qtype):
     return qtype in HAS_M
+
+
+def record_words(G):
+    """uint32 words of a panel record (32 values of 16 rows): codes, S, O."""
+    return 128 + 2 * 16 * (32 // G)
+
+
+@njit(inline="always")
+def panel_words(G):
+    return 128 + 2 * 16 * (32 // G)
 
 
 # ---------------------------------------------------------------- IR bodies, one per type
@@ -200,8 +211,8 @@ BODIES = {
 
 
 @intrinsic
-def unpack_block(typingctx, qt, P, S, O, w, roff, blk):
-    """Block blk of the 16 rows at byte offsets roff [16] of w's data into the panel (P, S, O);
+def unpack_block(typingctx, qt, P, w, roff, blk):
+    """Block blk of the 16 rows at byte offsets roff [16] of w's data into the panel P;
     qt a compile-time constant (a type of BODIES)."""
     if not isinstance(qt, types.IntegerLiteral):
         return None
@@ -209,31 +220,30 @@ def unpack_block(typingctx, qt, P, S, O, w, roff, blk):
     G = 16 if qt.literal_value in PER16 else 32
 
     def codegen(context, b, sig, args):
-        body(Rows(context, b, sig, args, size, values, G))
+        body(Rows(context, b, sig, args, size, values, G, record_words(G)))
         return context.get_dummy_value()
-    return types.void(qt, P, S, O, w, roff, blk), codegen
+    return types.void(qt, P, w, roff, blk), codegen
 
 
 @intrinsic
-def unpack_r16(typingctx, qt, P, S, O, w, o, B, blk):
+def unpack_r16(typingctx, qt, P, w, o, B, blk):
     """Block blk of the repacked group at byte o of w's data (quants_rtr: qs [B][4 or 8][16][4]
-    then scales [B][16] f16, Q4_1 [B][d 16 | m 16]) into the panel; qt the base type, constant."""
+    then scales [B][16] f16, Q4_1 [B][d 16 | m 16]) into the panel P; qt the base type, constant."""
     if not isinstance(qt, types.IntegerLiteral):
         return None
     base = qt.literal_value
     qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 32)
 
     def codegen(context, b, sig, args):
-        _, P, S, O, w, o, B, blk = args
+        _, P, w, o, B, blk = args
         e = Rows.__new__(Rows)
         e.b, c = b, Rows.c
 
         def data(i):
             return context.make_array(sig.args[i])(context, b, args[i]).data
-        e.P = b.gep(data(1), [b.mul(blk, c(128))])
-        e.S, e.O = (b.gep(data(i), [b.mul(blk, c(16))]) for i in (2, 3))
-        qs = b.gep(data(4), [b.add(o, b.mul(blk, c(qb)))])
-        sc = b.gep(data(4), [b.add(o, b.add(b.mul(B, c(qb)), b.mul(blk, c(sb))))])
+        e.P, e.n, e.PW = b.gep(data(1), [b.mul(blk, c(record_words(32)))]), 1, record_words(32)
+        qs = b.gep(data(2), [b.add(o, b.mul(blk, c(qb)))])
+        sc = b.gep(data(2), [b.add(o, b.add(b.mul(B, c(qb)), b.mul(blk, c(sb))))])
 
         def load(p, off, ty):
             return b.load(b.bitcast(b.gep(p, [c(off)]), ty.as_pointer()), align=1)
@@ -248,7 +258,7 @@ def unpack_r16(typingctx, qt, P, S, O, w, o, B, blk):
             _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
                           lambda q, k, h: e.add(q, 0x78787878) if base == Q4_0 else e.or_(q, BIAS))
         return context.get_dummy_value()
-    return types.void(qt, P, S, O, w, o, B, blk), codegen
+    return types.void(qt, P, w, o, B, blk), codegen
 
 
 # ---------------------------------------------------------------- grid IQ types
@@ -256,20 +266,23 @@ def unpack_r16(typingctx, qt, P, S, O, w, o, B, blk):
 # (IQ1: grid + delta, times 8 an integer) and s (or s of each 16 values).
 
 @njit(inline="always")
-def _put_values(P, r, j, v, mult):
-    """Words of sub-block j of row r <- the 32 floats v times mult, as codes + 128."""
+def _put_values(P, o, r, v, mult):
+    """Words of row r of the record at word o <- the 32 floats v times mult, as codes + 128."""
     for k in range(8):
         word = u32(0)
         for i in range(4):
             word |= u32(np.int32(v[4 * k + i] * mult) + 128) << u32(8 * i)
-        P[16 * (8 * j + k) + r] = word
+        P[o + 16 * k + r] = word
 
 
 @njit(cache=True, error_model="numpy")
-def _iq(P, S, O, w, r0, nr, qt):
+def _iq(P, w, r0, nr, qt):
     size = (66 if qt == IQ2_XXS else 74 if qt == IQ2_XS else 82 if qt == IQ2_S else 98 if qt == IQ3_XXS
             else 110 if qt == IQ3_S else 50 if qt == IQ1_S else 56)
     mult = f32(8) if qt == IQ1_S or qt == IQ1_M else f32(1)
+    per16 = qt == IQ2_XS or qt == IQ2_S or qt == IQ1_M
+    PW = panel_words(16 if per16 else 32)
+    S = P.view(np.float32)
     for r in range(nr):
         row = w[r0 + r]
         for sb in range(row.shape[0] // size):
@@ -292,78 +305,79 @@ def _iq(P, S, O, w, r0, nr, qt):
                     s0 = _iq1_s_sub(v, row, o, ib)
                 else:
                     s0, s1 = _iq1_m_sub(v, row, o, ib)
-                if qt == IQ2_XS or qt == IQ2_S or qt == IQ1_M:
-                    S[16 * (2 * j) + r], S[16 * (2 * j + 1) + r] = d * s0, d * s1
+                if per16:
+                    S[j * PW + 128 + r], S[j * PW + 144 + r] = d * s0, d * s1
                 else:
-                    S[16 * j + r] = d * s0
-                _put_values(P, r, j, v, mult)
+                    S[j * PW + 128 + r] = d * s0
+                _put_values(P, j * PW, r, v, mult)
 
 
 # ---------------------------------------------------------------- dispatch
 
 @njit(inline="always")
-def _blocks(qt, P, S, O, w, roff):
+def _blocks(qt, P, w, roff):
     size = 18 if qt == Q4_0 or qt == IQ4_NL else 20 if qt == Q4_1 else 22 if qt == Q5_0 else \
         24 if qt == Q5_1 else 34 if qt == Q8_0 else 17 if qt == MXFP4 else 136 if qt == IQ4_XS else \
         144 if qt == Q4_K else 176 if qt == Q5_K else 210 if qt == Q6_K else 84 if qt == Q2_K else 110
     for blk in range(w.shape[1] // size):
-        unpack_block(qt, P, S, O, w, roff, blk)
+        unpack_block(qt, P, w, roff, blk)
 
 
 @njit(inline="always")
-def _r16(qt, P, S, O, w, r0):
+def _r16(qt, P, w, r0):
     size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
     B = w.shape[1] // size
     for blk in range(B):
-        unpack_r16(qt, P, S, O, w, r0 * w.shape[1], B, blk)
+        unpack_r16(qt, P, w, r0 * w.shape[1], B, blk)
 
 
 @njit(cache=True, error_model="numpy")
-def unpack(qtype, P, S, O, w, r0, nr):
-    """The panel (P, S, O) <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded;
-    repacked (R16) w: r0 a multiple of 16."""
+def unpack(qtype, P, w, r0, nr):
+    """The panel P <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded; repacked
+    (R16) w: r0 a multiple of 16."""
     roff = np.empty(16, np.int64)
     for r in range(16):                          # rows past nr: copies of the last, zeroed below
         roff[r] = (r0 + min(r, nr - 1)) * w.shape[1]
     qt = base_of(qtype) if qtype in R16_TYPES else qtype
     if qtype in R16_TYPES and nr == GROUP:
         if qt == Q4_0:
-            _r16(Q4_0, P, S, O, w, r0)
+            _r16(Q4_0, P, w, r0)
         elif qt == Q4_1:
-            _r16(Q4_1, P, S, O, w, r0)
+            _r16(Q4_1, P, w, r0)
         else:
-            _r16(Q8_0, P, S, O, w, r0)
+            _r16(Q8_0, P, w, r0)
     elif qt == Q4_0:                             # (R16: the tail rows keep the GGUF layout)
-        _blocks(Q4_0, P, S, O, w, roff)
+        _blocks(Q4_0, P, w, roff)
     elif qt == Q4_1:
-        _blocks(Q4_1, P, S, O, w, roff)
+        _blocks(Q4_1, P, w, roff)
     elif qt == Q8_0:
-        _blocks(Q8_0, P, S, O, w, roff)
+        _blocks(Q8_0, P, w, roff)
     elif qt == Q5_0:
-        _blocks(Q5_0, P, S, O, w, roff)
+        _blocks(Q5_0, P, w, roff)
     elif qt == Q5_1:
-        _blocks(Q5_1, P, S, O, w, roff)
+        _blocks(Q5_1, P, w, roff)
     elif qt == Q4_K:
-        _blocks(Q4_K, P, S, O, w, roff)
+        _blocks(Q4_K, P, w, roff)
     elif qt == Q5_K:
-        _blocks(Q5_K, P, S, O, w, roff)
+        _blocks(Q5_K, P, w, roff)
     elif qt == Q6_K:
-        _blocks(Q6_K, P, S, O, w, roff)
+        _blocks(Q6_K, P, w, roff)
     elif qt == Q2_K:
-        _blocks(Q2_K, P, S, O, w, roff)
+        _blocks(Q2_K, P, w, roff)
     elif qt == Q3_K:
-        _blocks(Q3_K, P, S, O, w, roff)
+        _blocks(Q3_K, P, w, roff)
     elif qt == IQ4_NL:
-        _blocks(IQ4_NL, P, S, O, w, roff)
+        _blocks(IQ4_NL, P, w, roff)
     elif qt == IQ4_XS:
-        _blocks(IQ4_XS, P, S, O, w, roff)
+        _blocks(IQ4_XS, P, w, roff)
     elif qt == MXFP4:
-        _blocks(MXFP4, P, S, O, w, roff)
+        _blocks(MXFP4, P, w, roff)
     elif qt in IQ_TYPES:
-        _iq(P, S, O, w, r0, nr, qt)
-    for r in range(nr, 16):
-        for k in range(P.shape[0] // 16):
-            P[16 * k + r] = BIAS
-        for g in range(S.shape[0] // 16):
-            S[16 * g + r] = 0
-            O[16 * g + r] = 0
+        _iq(P, w, r0, nr, qt)
+    PW = panel_words(group_size(qtype))
+    for j in range(P.shape[0] // PW):
+        for r in range(nr, 16):
+            for k in range(8):
+                P[j * PW + 16 * k + r] = BIAS
+            for g in range(128 + r, PW, 16):     # S, O
+                P[j * PW + g] = 0

@@ -253,21 +253,21 @@ def acc_intrinsic(body, values, xs_per, size=0):
 
 class Rows:
     """IR for one block (`size` bytes, `values` values, G per scale) of 16 weight rows at once,
-    for gemm_unpack's intrinsics (args P, S, O, w, roff, blk): words(off, n) loads words of
-    each row's block and transposes them, so that lane r of a <16 x i32> is row r; put and
-    scale store a panel's <16 x i32> codes and <16 x float> scales (layout: gemm_unpack)."""
+    for gemm_unpack's intrinsics (args P, w, roff, blk): words(off, n) loads words of each
+    row's block and transposes them, so that lane r of a <16 x i32> is row r; put and scale
+    store a panel's <16 x i32> codes and <16 x float> scales into its records of PW words
+    (layout: gemm_unpack)."""
 
-    def __init__(self, context, b, sig, args, size, values, G):
-        _, P, S, O, w, roff, blk = args
-        self.b = b
+    def __init__(self, context, b, sig, args, size, values, G, PW):
+        _, P, w, roff, blk = args
+        self.b, self.n, self.PW = b, 32 // G, PW
 
         def data(i):
             return context.make_array(sig.args[i])(context, b, args[i]).data
 
-        ro, base = data(5), b.mul(blk, self.c(size))
-        self.rows = [b.gep(data(4), [b.add(b.load(b.gep(ro, [self.c(r)])), base)]) for r in range(16)]
-        self.P = b.gep(data(1), [b.mul(blk, self.c(values * 4))])
-        self.S, self.O = (b.gep(data(i), [b.mul(blk, self.c(values // G * 16))]) for i in (2, 3))
+        ro, base = data(3), b.mul(blk, self.c(size))
+        self.rows = [b.gep(data(2), [b.add(b.load(b.gep(ro, [self.c(r)])), base)]) for r in range(16)]
+        self.P = b.gep(data(1), [b.mul(blk, self.c(values // 32 * PW))])
 
     @staticmethod
     def c(v, t=I64):
@@ -351,12 +351,16 @@ class Rows:
         return self.b.bitcast(self.b.call(fn, [tab, self.b.bitcast(v, vec(I8, 64))]), vec(I32, 16))
 
     # -- stores
+    def _store(self, word, v):
+        self.b.store(v, self.b.bitcast(self.b.gep(self.P, [self.c(word)]), v.type.as_pointer()), align=4)
+
     def put(self, k, v):
         """Panel vector k of the block (values 4k..4k + 3 of the 16 rows)."""
-        self.b.store(v, self.b.bitcast(self.b.gep(self.P, [self.c(16 * k)]), v.type.as_pointer()), align=4)
+        self._store(k // 8 * self.PW + 16 * (k % 8), v)
 
     def scale(self, g, v, offset=None):
         """S (and O) of group g of the block."""
-        for base, x in ((self.S, v), (self.O, offset)):
-            if x is not None:
-                self.b.store(x, self.b.bitcast(self.b.gep(base, [self.c(16 * g)]), x.type.as_pointer()), align=4)
+        at = g // self.n * self.PW + 128 + 16 * (g % self.n)
+        self._store(at, v)
+        if offset is not None:
+            self._store(at + 16 * self.n, offset)
