@@ -11,8 +11,9 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
        residual add after a layer split follows the new GPU), so the fewest bytes cross
   def  nothing to follow (graph inputs only): the CPU
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
-the scheduler tracks on which backends each buffer's current value is; a node that reads a
-buffer not valid on its backend gets a copy step right before it.
+the scheduler tracks on which backends each buffer's current value is; when a split starts,
+every buffer it reads that is not valid on its backend gets a copy step (all at once, so a
+decoding GPU split ends with all the copies the next CPU split needs, in one CUDA graph).
 
 Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecutive GPU
 steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
@@ -204,7 +205,11 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
 
     for be in backends.values():
         be.prepare(graph)
-    for node in graph.nodes:
+    nodes = graph.nodes
+    for i, node in enumerate(nodes):
+        if i == 0 or nodes[i - 1].backend != node.backend:
+            for src in _split_inputs(nodes, i):   # all of a split's copies at its start
+                ensure(src, node.backend)
         for src in node.srcs:
             ensure(src, node.backend)
         step = backends[node.backend].bind(node, bufs[node.backend], state)
@@ -227,6 +232,21 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     if "logits" in valid:
         host["logits"] = bufs["CPU"]["logits"]
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
+
+
+def _split_inputs(nodes, start):
+    """Buffers the split starting at nodes[start] reads before writing them, in order.
+    Copying them all when the split starts (rather than before each reader) keeps the copies
+    out of a GPU split together at its end: one CUDA graph and one wait instead of several."""
+    backend, written, wanted = nodes[start].backend, set(), {}
+    for node in nodes[start:]:
+        if node.backend != backend:
+            break
+        for src in node.srcs:
+            if src not in written:
+                wanted.setdefault(src, None)
+        written.update(node.outs)
+    return list(wanted)
 
 
 def _graph_runs(steps, labels, runs_on, record_on, backends):

@@ -67,6 +67,16 @@ def test_hybrid_equals_cpu(model, placement):
         tok = int(nxt[-1].argmax())
 
 
+def test_decode_split_copies_together(model):
+    """Experts in RAM: each layer's GPU split ends with every copy its CPU split reads (the
+    router's ids and weights, the normed x), so a decode token makes one CUDA graph a layer."""
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    plan = llm.plan(1, 1)
+    ops = [what for _, what in plan.labels]
+    assert ops.count("GRAPH") == MOE["n_layer"] + 1
+    assert ops[1:5] == ["GRAPH", "MUL_MAT_ID+GLU", "MUL_MAT_ID+MOE_COMBINE", "GRAPH"]
+
+
 @pytest.fixture
 def two_gpus(monkeypatch):
     """CUDA0 and CUDA1: the real ones where the machine has two GPUs, else two backends that

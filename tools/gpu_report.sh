@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
 #   bash tools/gpu_report.sh [tests] [hybrid-tests] [mma] [model] [tg-ab] [pp] [ncu] [bench-gpu]
-#                            [bench-hybrid] [kernels] [tiles] [profile]
+#                            [bench-hybrid] [kernels] [tiles] [profile] [trace] [tg]
 # Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
 # (default /tmp/q3moe-30b.gguf, made when missing). Each step has its own time limit.
 set -u
@@ -29,6 +29,11 @@ for s in $steps; do case $s in
              -n 128 -r 2 --timings
          NBMOE_NO_FUSE=1 step tg-hybrid-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 \
              -ot exps=CPU -t 16 -p 0 -n 128 -r 2 ;;
+  trace) # a decode token step by step as the host sees it (graph launch / device / wait)
+         step trace-hybrid 240 python tools/hybrid_trace.py -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -n 32
+         step trace-gpu 180 python tools/hybrid_trace.py -m "$MODEL" -ngl 99 -n 32 ;;
+  tg) step tg-gpu 240 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 3
+      step tg-hybrid 300 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -p 0 -n 128 -r 3 ;;
   mma) step mma-check 240 python tools/cuda_mma_check.py
        NBMOE_REAL_GPU=1 step mma-tests 200 python -m pytest -q -x tests/test_cuda_mma.py ;;
   flash) step flash-check 200 python tools/cuda_flash_check.py
