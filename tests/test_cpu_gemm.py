@@ -15,7 +15,7 @@ from ref_quant import random_blocks
 from ref_quant_iq import NAMES as IQ_NAMES
 from ref_quant_iq import random_blocks as iq_random_blocks
 from test_cpu_matmul import (RTOL, RTOL_X8, max_rel, quantize, ref_dequant, ref_mul_mat_id,
-                             repacked, rnd, run_without_vnni, x_rounded)
+                             repacked, rnd, x_rounded)
 
 from nbmoe.cpu import gemm_i8, matmul
 
@@ -106,22 +106,3 @@ def test_gemm_off(monkeypatch):
     out = np.full((17, 37), np.nan, np.float32)
     matmul.mul_mat(out, w, x, qt)
     assert max_rel(out, x.astype(np.float64) @ wd.T) < RTOL
-
-
-def test_no_vnni_falls_back():
-    """Without VNNI (NBMOE_NO_VNNI=1) batched products take dequantize + BLAS: exact."""
-    code = (
-        "import numpy as np, nbmoe\n"
-        "from gguf import GGMLQuantizationType as Q\n"
-        "from gguf.quants import quantize, dequantize\n"
-        "from nbmoe.cpu import matmul\n"
-        "assert not matmul.GEMM_I8 and not matmul.batched_int8(Q.Q4_0)\n"
-        "rng = np.random.default_rng(0)\n"
-        "w = np.ascontiguousarray(quantize(rng.standard_normal((7, 224), dtype=np.float32), Q.Q4_0).view(np.uint8))\n"
-        "x = rng.standard_normal((17, 224), dtype=np.float32)\n"
-        "out = np.empty((17, 7), np.float32)\n"
-        "matmul.mul_mat(out, w, x, int(Q.Q4_0))\n"
-        "ref = x.astype(np.float64) @ dequantize(w, Q.Q4_0).astype(np.float64).T\n"
-        "assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()\n"
-        "print('ok')\n")
-    run_without_vnni(code)

@@ -271,27 +271,6 @@ def run_without_vnni(code):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-def test_int8_generic_dot():
-    """The portable dot4 (NBMOE_NO_VNNI=1: widen, multiply, add pairs) gives the same sums."""
-    code = (
-        "import numpy as np, nbmoe\n"
-        "from gguf import GGMLQuantizationType as Q\n"
-        "from gguf.quants import quantize, dequantize\n"
-        "from nbmoe.cpu import matmul, quants_int8\n"
-        "assert not quants_int8.HAS_VNNI\n"
-        "matmul.INT8_DOT = True\n"
-        "rng = np.random.default_rng(0)\n"
-        "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
-        "    w = np.ascontiguousarray(quantize(rng.standard_normal((7, 224), dtype=np.float32), Q[name]).view(np.uint8))\n"
-        "    x = rng.standard_normal((1, 224), dtype=np.float32)\n"
-        "    out = np.empty((1, 7), np.float32)\n"
-        "    matmul.mul_mat(out, w, x, int(Q[name]))\n"
-        "    ref = x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
-        "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
-        "print('ok')\n")
-    run_without_vnni(code)
-
-
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
 # layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned). The repacked kernels
@@ -365,24 +344,42 @@ def test_mul_mat_id_rtr(name, T, monkeypatch):
     assert max_rel(got, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
 
 
-def test_int8_generic_dot_rtr():
-    """Repacked kernels with the portable dot4 (NBMOE_NO_VNNI=1) agree with the plain int8 ones."""
+def test_without_vnni():
+    """Without VNNI (NBMOE_NO_VNNI=1), in one fresh interpreter (its kernels compile cold: one
+    process for all three checks): the portable dot4 (widen, multiply, add pairs) gives the
+    int8 sums, plain and repacked; batched products take dequantize + BLAS, exactly."""
     code = (
         "import numpy as np, nbmoe\n"
         "from gguf import GGMLQuantizationType as Q\n"
-        "from gguf.quants import quantize\n"
+        "from gguf.quants import quantize, dequantize\n"
         "from nbmoe.cpu import matmul, quants_int8\n"
         "from nbmoe.cpu.quants_rtr import repack_tensor\n"
         "assert not quants_int8.HAS_VNNI\n"
+        "assert not matmul.GEMM_I8 and not matmul.batched_int8(Q.Q4_0)\n"
         "matmul.INT8_DOT = True\n"
         "rng = np.random.default_rng(0)\n"
+        "def qw(m, name):\n"
+        "    w = rng.standard_normal((m, 224), dtype=np.float32)\n"
+        "    return np.ascontiguousarray(quantize(w, Q[name]).view(np.uint8))\n"
+        "def exact(w, name, x):\n"
+        "    return x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
+        "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
+        "    w, x = qw(7, name), rng.standard_normal((1, 224), dtype=np.float32)\n"
+        "    out = np.empty((1, 7), np.float32)\n"
+        "    matmul.mul_mat(out, w, x, int(Q[name]))\n"
+        "    ref = exact(w, name, x)\n"
+        "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
         "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
-        "    w = np.ascontiguousarray(quantize(rng.standard_normal((37, 224), dtype=np.float32), Q[name]).view(np.uint8))\n"
+        "    w, x = qw(37, name), rng.standard_normal((2, 224), dtype=np.float32)\n"
         "    wr, qr = repack_tensor(w, int(Q[name]))\n"
-        "    x = rng.standard_normal((2, 224), dtype=np.float32)\n"
         "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
         "    matmul.mul_mat(out, wr, x, qr)\n"
         "    matmul.mul_mat(ref, w, x, int(Q[name]))\n"
-        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), name\n"
+        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
+        "w, x = qw(7, 'Q4_0'), rng.standard_normal((17, 224), dtype=np.float32)\n"
+        "out = np.empty((17, 7), np.float32)\n"
+        "matmul.mul_mat(out, w, x, int(Q.Q4_0))\n"
+        "ref = exact(w, 'Q4_0', x)\n"
+        "assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max(), 'batched'\n"
         "print('ok')\n")
     run_without_vnni(code)
