@@ -418,12 +418,18 @@ def test_attention(T, Dh, window, small):
     check("attention in place", dq.copy_to_host(), ref)
 
 
-@pytest.mark.parametrize("window,pos0", [(0, 20), (9, 20), (0, 2)])
-def test_attention_split(window, pos0, small, monkeypatch):
-    """T = 1, a 24-slot cache in splits of 4 slots: six splits (window 9: two) share the keys
-    up to pos0; with pos0 = 2 three of them find no key and must weigh 0 in the merge. The
-    position comes from a device array, as in a replayed CUDA graph."""
-    monkeypatch.setattr(att, "SPLIT_KEYS", 4)
+@pytest.mark.parametrize("window,pos0,keys,most", [(0, 20, 4, 128), (9, 20, 4, 128), (0, 2, 4, 128),
+                                                 (0, 15, 1, 5), (0, 2, 0, 128)])
+def test_attention_split(window, pos0, keys, most, small, monkeypatch):
+    """T = 1, a 24-slot cache, six splits in the grid, one in use per `keys` keys: at pos0 = 20
+    all six (window 9: two) share the keys; at pos0 = 2 one split holds all 3 keys and writes
+    the output itself (the merge does nothing); with at most 5 splits of 1 key, 16 keys go 4
+    a split and the fifth finds none; keys = 0: all six splits work, three find no key. Empty
+    splits must weigh 0 in the merge. The position comes from a device array, as in a
+    replayed CUDA graph (the launch is the same for every position)."""
+    monkeypatch.setattr(att, "SPLIT_KEYS", 4)          # the grid: 24 // 4 = 6 splits (at most `most`)
+    monkeypatch.setattr(att, "MIN_SPLIT_KEYS", keys)
+    monkeypatch.setattr(att, "MAX_SPLITS", most)
     H, Hkv, Dh = 2, 1, 32
     q, kc, vc, k_all, v_all = _attn_case(1, H, Hkv, Dh, pos0, C=24, seed=3)
     q *= 3  # peaked softmax, so the span maxima differ

@@ -76,10 +76,11 @@ def main(argv=None):
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-n", type=int, default=32, help="decode tokens traced")
+    ap.add_argument("-c", "--ctx-size", type=int, default=512, help="KV cache slots")
     add_placement_args(ap)
     add_repack_arg(ap)
     a = ap.parse_args(argv)
-    llm = nbmoe.load(a.model, n_ctx=512, threads=a.threads, repack=a.run_time_repack,
+    llm = nbmoe.load(a.model, n_ctx=a.ctx_size, threads=a.threads, repack=a.run_time_repack,
                       **placement_kwargs(a))
     ids = list(np.random.default_rng(0).integers(1, min(1000, llm.cfg.n_vocab), 16))
     llm.eval(ids)

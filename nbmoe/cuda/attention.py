@@ -9,6 +9,8 @@ writes through a float16 view. Token t of the batch sits at position pos[t] = po
 pos is the graph's int32 positions buffer on the device: the kernels read the position there,
 not from a launch argument, so a captured CUDA graph replays unchanged for every token.
 """
+import os
+
 import numpy as np
 from numba import cuda
 
@@ -30,6 +32,9 @@ SPLIT_MAX_T = 2
 FLASH = True
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
+# Keys a split takes at least while the cache holds few (see active_splits); 0: every split
+# of the grid works (NBMOE_SPLIT_MIN_KEYS, for A/B timings).
+MIN_SPLIT_KEYS = int(os.environ.get("NBMOE_SPLIT_MIN_KEYS", "4"))
 
 _kernels = {}
 _scratch = {}
@@ -74,6 +79,21 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 
 
 # ---------------------------------------------------------------- attention
+# Splits in use for a query that sees n keys: one per min_keys keys, at most the P the grid
+# has (P follows the cache's capacity, fixed for a CUDA graph, while the keys grow token by
+# token): at a 4096-slot cache (P = 128) and 20 keys, 5 splits work and the merge reads 5
+# partial results, not 128. min_keys = 0: all P splits share the keys (as before). Measured on
+# the H200 (Qwen3-30B-A3B shape, all on the GPU, decoding at 16-80 keys): a token 5.0 ms with
+# all splits at a 4096-slot cache, 3.58 ms with min_keys 2, 3.45-3.49 ms with 4; at a 512-slot
+# cache 3.63 / 3.55 / 3.46 ms.
+
+@device_fn
+def active_splits(n, P, min_keys):
+    if min_keys == 0:
+        return P
+    return min(P, max(1, (n + min_keys - 1) // min_keys))
+
+
 # out[t, h] = softmax_j(scale * q[t, h] . k[j, g]) @ v[j, g],  g = h // G, over keys j with
 # j <= pos0 + t and (window == 0 or j > pos0 + t - window).
 # One warp per (token, query head), HEADS_PER_BLOCK heads a block, grid (T, H / heads, P).
@@ -84,8 +104,9 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 # Measured on the H200 (T=512 at 4k context, 32 heads, Dh 128): 9.8 ms; lanes scoring a key
 # each over all Dh (rows read lane by lane) took 34 ms, 4 keys per iteration 14 ms.
 # A warp walks its keys one after the other: latency-bound; prompts go to flash.py (query tiles
-# sharing K / V tiles in shared memory, tensor cores) where it can. Split p of P takes an equal share of the
-# token's keys and writes (acc, max, sum) for the merge kernel; with P == 1 it writes out.
+# sharing K / V tiles in shared memory, tensor cores) where it can. Split p of the Pa in use takes
+# an equal share of the token's keys and writes (acc, max, sum) for the merge kernel; with
+# Pa == 1 it writes out.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
 
@@ -114,7 +135,8 @@ def _attention_kernel(Dh):
                 acc[c] += pb * ld_f16(cache, rb, 2 * d)
 
     @cuda.jit
-    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window):
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window,
+                         min_keys):
         H = q.shape[1]
         Hkv = k_cache.shape[1]
         G = H // Hkv
@@ -127,7 +149,10 @@ def _attention_kernel(Dh):
         p = cuda.blockIdx.z
         hi = pos[0] + t + 1
         lo = max(0, hi - window) if window > 0 else 0
-        span = (hi - lo + P - 1) // P
+        Pa = active_splits(hi - lo, P, min_keys)
+        if p >= Pa:
+            return                                 # the whole block: its split has no keys
+        span = (hi - lo + Pa - 1) // Pa
         a = lo + p * span
         b = min(hi, a + span)
         row = Hkv * Dh * 2                         # bytes of one cache position
@@ -157,7 +182,7 @@ def _attention_kernel(Dh):
                 add_v(acc, shfl_idx(pj, jj), v_cache, kb + jj * row, lane)
             m = m_new
         if h < H:
-            if P == 1:
+            if Pa == 1:                            # the only split: the final output
                 inv = f32(1.0) / tot
                 for c in range(DPL):
                     d = lane + 32 * c
@@ -176,25 +201,30 @@ def _attention_kernel(Dh):
     return attention_kernel
 
 
-# Merge of P splits: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max m_p.
-# Splits that got no keys have m = -inf, l = 0 and weigh 0. One thread per output value.
+# Merge of the Pa splits in use: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,
+# M = max m_p. A split that got no keys (possible at the end of a long cache) has m = -inf,
+# l = 0 and weighs 0. One thread per output value. With one split in use there is nothing to do.
 
 @cuda.jit
-def merge_splits_kernel(out, part_acc, part_ml, P):
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys):
     T, H, Dh = out.shape
     idx = cuda.grid(1)
     if idx >= T * H * Dh:
         return
     t = idx // (H * Dh)
+    hi = pos[0] + t + 1
+    Pa = active_splits(hi - (max(0, hi - window) if window > 0 else 0), P, min_keys)
+    if Pa == 1:
+        return                                     # attention wrote out itself
     rem = idx - t * H * Dh
     h = rem // Dh
     d = rem - h * Dh
     M = part_ml[0, t, h, 0]
-    for p in range(1, P):
+    for p in range(1, Pa):
         M = max(M, part_ml[p, t, h, 0])
     num = f32(0.0)
     den = f32(0.0)
-    for p in range(P):
+    for p in range(Pa):
         f = expf(part_ml[p, t, h, 0] - M)
         num += f * part_acc[p, t, h, d]
         den += f * part_ml[p, t, h, 1]
@@ -239,10 +269,13 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
     kc, vc, pos = k_cache, v_cache, positions(pos, T)         # cache: uint16 f16 bits, ld_f16
     if P == 1:
         dummy = _buffer("dummy", (1, 1, 1, 2))
-        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, pos, f32(scale), int(window))
+        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, pos, f32(scale), int(window),
+                                     MIN_SPLIT_KEYS)
         return
     part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))       # splits p < P used
     part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, pos, f32(scale), int(window))
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, pos, f32(scale), int(window),
+                                 MIN_SPLIT_KEYS)
     m = T * H * Dh
-    merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P)
+    merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P, pos, int(window),
+                                                       MIN_SPLIT_KEYS)
