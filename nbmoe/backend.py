@@ -157,7 +157,8 @@ class Backend:
 
 class CPUBackend(Backend):
     name = "CPU"
-    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block")
+    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
+                  "moe_block")
 
     def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
@@ -246,9 +247,11 @@ class CPUBackend(Backend):
         rope_p = (rp["n_rot"], float(rp["base"]), float(rp["scale"]))
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
-        return [None] * (len(members) - 1) + [_labelled(lambda: blocks.attn_block(
+        step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
-            rows, rope_p, rp["neox"], kc, vc, scale, window), "ATTN_BLOCK")]
+            rows, rope_p, rp["neox"], kc, vc, scale, window), "ATTN_BLOCK")
+        step.regions = 2 if same_v else 3      # q/k/v (+ v), o (tools/tg_overhead.py)
+        return [None] * (len(members) - 1) + [step]
 
     def _bind_ffn_block(self, members, buf, state):
         norm, gate, up, glu, down = members[:5]
@@ -261,8 +264,32 @@ class CPUBackend(Backend):
         x, h, g, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, glu.out, down.out))
         qtypes, int8s, steps = (pg[1], pd[1]), (pg[2], pd[2]), (step, pd[3])
         eps, act, blocks, wg, wd = norm.params["eps"], _act(self.fused, glu), self.blocks, pg[0], pd[0]
-        return [None] * (len(members) - 1) + [_labelled(lambda: blocks.ffn_block(
-            x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act), "FFN_BLOCK")]
+        step = _labelled(lambda: blocks.ffn_block(
+            x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act), "FFN_BLOCK")
+        step.regions = 2                        # gate/up/GLU, down
+        return [None] * (len(members) - 1) + [step]
+
+    def _bind_moe_block(self, members, buf, state):
+        norm, router, topk, gate, up, glu, down, comb = members[:8]
+        post = members[8] if members[8].op == "RMS_NORM" else None
+        pr = self._vec_product(router, buf)
+        _, wg, _, ids, qg = self.mul_mat_id_operands(gate, buf)
+        wu = self.mul_mat_id_operands(up, buf)[1]
+        _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
+        A, mm = ids.shape[1], self.mm
+        # work items as the unfused glu_id and down_combine groups pick them
+        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg),
+                 mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
+        qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
+        norms = (self.vector(norm.weight),) + self._norm_vectors([post])
+        x, h, logits, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, router.out, comb.out))
+        wts, wr = buf[topk.out], pr[0]
+        eps, act, blocks, norm_topk = norm.params["eps"], _act(self.fused, glu), self.blocks, topk.params["norm"]
+        step = _labelled(lambda: blocks.moe_block(
+            x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
+            act, norm_topk), "MOE_BLOCK")
+        step.regions = 3                        # router, experts' gate/up/GLU, down + sum
+        return [None] * (len(members) - 1) + [step]
 
     def alloc(self, shape, dtype):
         return np.zeros(shape, dtype)

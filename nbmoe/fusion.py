@@ -26,7 +26,7 @@ ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 # NBMOE_NO_BLOCKS=1 keeps the block kinds off (the per-node groups stay): A/B of blocks.py.
 BLOCKS = os.environ.get("NBMOE_NO_BLOCKS", "") != "1"
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
-BLOCK_KINDS = ("attn_block", "ffn_block")
+BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 
 def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None):
@@ -114,8 +114,8 @@ def _match_block(nodes, i, backend, vec_ok, wtype):
         return None
     if any(n.backend != backend for n in run):
         run = run[:next(j for j, n in enumerate(run) if n.backend != backend)]
-    for match in (_attn_block, _ffn_block):
-        n = match(run, lambda node: _product(node, "MUL_MAT", backend, vec_ok), wtype)
+    for match in (_attn_block, _ffn_block, _moe_block):
+        n = match(run, lambda node, op="MUL_MAT": _product(node, op, backend, vec_ok), wtype)
         if n:
             return match.__name__[1:], run[:n]
     return None
@@ -186,6 +186,28 @@ def _ffn_block(run, product, wtype):
         return 0
     w.norm_in_place(down.out)
     w.take("ADD", (x, down.out), x)
+    return w.i if w.ok and _same_eps(run[:w.i]) else 0
+
+
+def _moe_block(run, product, wtype):
+    """Nodes in a moe_block at the front of run (0 if none): RMS_NORM x -> h; router of h;
+    TOPK_MOE; expert gate, up of h (one type); GLU; expert down; MOE_COMBINE; [RMS_NORM];
+    ADD x = x + combined."""
+    w = _Walk(run)
+    norm = w.take("RMS_NORM")
+    x, h = norm.srcs[0], norm.out
+    router = w.take("MUL_MAT", (h,))
+    topk = w.take("TOPK_MOE", (router.out,)) if w.ok else None
+    ids = topk.params["also_writes"][0] if w.ok else None
+    gate, up = w.take("MUL_MAT_ID", (h, ids)), w.take("MUL_MAT_ID", (h, ids))
+    glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
+    down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
+    comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
+    if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))
+            or wtype(gate) != wtype(up)):
+        return 0
+    w.norm_in_place(comb.out)
+    w.take("ADD", (x, comb.out), x)
     return w.i if w.ok and _same_eps(run[:w.i]) else 0
 
 

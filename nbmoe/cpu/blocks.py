@@ -4,11 +4,12 @@ Letters: D model dim, H heads, Hkv kv heads, Dh head dim, F FFN width, C cache s
 
 A SmolLM2-135M token is ~330 graph steps of 0.3-40 us each; bound one by one, every step
 pays a Python lambda and a Numba dispatch (~1-3 us), which was 20-40% of a token on two
-threads. These functions run the nodes of one block (fusion.find_groups: kind attn_block or
-ffn_block) in sequence inside one @njit function, calling the same kernels the nodes bind
+threads. These functions run the nodes of one block (fusion.find_groups: kind attn_block,
+ffn_block or moe_block) in sequence inside one @njit function, calling the same kernels the nodes bind
 to one by one (rms_norm, the fused products, rope, store_kv + attention, add), so the
 results are bit-identical to the unfused steps. They are serial glue: the products inside
-open their own parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 per layer), and the
+open their own parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 per dense layer; router,
+experts' gate/up/GLU, down + weighted sum: 2 + 3 per MoE layer), and the
 small row ops between them run on the calling thread, as they do unfused at T = 1.
 
 Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
@@ -18,8 +19,8 @@ import numpy as np
 from numba import njit
 
 from . import attention as attn
-from . import ops
-from .fused import _products, glu
+from . import moe, ops
+from .fused import _products, down_combine, glu, glu_id
 from .matmul import _mul_mat_vec
 
 
@@ -70,5 +71,25 @@ def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act):
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
     glu(g, wg, wu, h, qtypes[0], int8s[0], steps[0], act)            # [1, F]
     _mul_mat_vec(f, wd, g, qtypes[1], int8s[1], steps[1])            # [1, D]
+    _norm_if(f, post_norm, eps)
+    ops.add(x, x, f)
+
+
+@njit(cache=True, error_model="numpy")
+def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
+              act, norm_topk):
+    """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
+    h = ffn_norm(x), e_a and wts = the top-A of the router's logits h @ Wr^T.
+
+    h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
+    norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
+    (one type), down.
+    """
+    ffn_norm, post_norm = norms
+    ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
+    _mul_mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
+    moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
+    glu_id(g, wg, wu, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], int8s[1], steps[1], act)
+    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2])  # [1, D]
     _norm_if(f, post_norm, eps)
     ops.add(x, x, f)
