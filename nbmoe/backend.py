@@ -250,7 +250,7 @@ class CPUBackend(Backend):
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
             rows, rope_p, rp["neox"], kc, vc, scale, window), "ATTN_BLOCK")
-        step.regions = 2 if same_v else 3      # q/k/v (+ v), o (tools/tg_overhead.py)
+        step.regions = 2 if same_v else 3      # q/k/v (+ v), o: tools/tg_overhead.py counts them
         return [None] * (len(members) - 1) + [step]
 
     def _bind_ffn_block(self, members, buf, state):
@@ -288,7 +288,7 @@ class CPUBackend(Backend):
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
             act, norm_topk), "MOE_BLOCK")
-        step.regions = 3                        # router, experts' gate/up/GLU, down + sum
+        step.regions = 2 + int(steps[0] < wr.shape[0])   # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 
     def alloc(self, shape, dtype):

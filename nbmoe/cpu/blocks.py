@@ -2,26 +2,25 @@
 
 Letters: D model dim, H heads, Hkv kv heads, Dh head dim, F FFN width, C cache slots.
 
-A SmolLM2-135M token is ~330 graph steps of 0.3-40 us each; bound one by one, every step
-pays a Python lambda and a Numba dispatch (~1-3 us), which was 20-40% of a token on two
-threads. These functions run the nodes of one block (fusion.find_groups: kind attn_block,
-ffn_block or moe_block) in sequence inside one @njit function, calling the same kernels the nodes bind
-to one by one (rms_norm, the fused products, rope, store_kv + attention, add), so the
-results are bit-identical to the unfused steps. They are serial glue: the products inside
-open their own parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 per dense layer; router,
-experts' gate/up/GLU, down + weighted sum: 2 + 3 per MoE layer), and the
-small row ops between them run on the calling thread, as they do unfused at T = 1.
+Bound node by node, a SmolLM2-135M token is 333 Python steps (393 for the upcycled MoE),
+each a lambda and a Numba dispatch of ~0.5-2 us. These functions run the nodes of one block
+(fusion.find_groups: kind attn_block, ffn_block or moe_block) in sequence inside one @njit
+function, calling the kernels those nodes bind to (rms_norm, the fused products, rope,
+store_kv + attention, topk_route, add), so the results are bit-identical to the unfused
+steps; a token is then 63 steps. They are serial glue: the products inside open their own
+parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 a layer; a MoE router is small enough
+to run on the calling thread, matmul.SERIAL_MAX_BYTES), and the small row ops between them
+run on the calling thread, as they do unfused at T = 1.
 
 Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
 as matmul's matrix-vector kernels take them. Absent optional norms are empty arrays.
 """
-import numpy as np
 from numba import njit
 
 from . import attention as attn
 from . import moe, ops
 from .fused import _products, down_combine, glu, glu_id
-from .matmul import _mul_mat_vec
+from .matmul import mat_vec
 
 
 @njit(cache=True, error_model="numpy")
@@ -47,7 +46,7 @@ def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, qty
     q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
     _products((q2, k2, v2), (wq, wk, wv), h, qtypes[0], int8s[0], steps[0], rows)
     if rows[2] == 0:     # v of another type: its own product
-        _mul_mat_vec(v2, wv, h, qtypes[2], int8s[2], steps[2])
+        mat_vec(v2, wv, h, qtypes[2], int8s[2], steps[2])
     _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
     _norm_if(k, k_norm, eps)
     n_rot, base, freq_scale = rope_p
@@ -55,7 +54,7 @@ def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, qty
     ops.rope(k, pos, n_rot, base, neox, freq_scale)
     attn.store_kv(kc, vc, k, v, pos0)
     attn.attention(att, q, kc, vc, pos0, scale, window)              # [1, H, Dh]
-    _mul_mat_vec(o, wo, att.reshape(1, att.size), qtypes[3], int8s[3], steps[3])   # [1, D]
+    mat_vec(o, wo, att.reshape(1, att.size), qtypes[3], int8s[3], steps[3])   # [1, D]
     _norm_if(o, post_norm, eps)
     ops.add(x, x, o)
 
@@ -70,7 +69,7 @@ def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act):
     ffn_norm, post_norm = norms
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
     glu(g, wg, wu, h, qtypes[0], int8s[0], steps[0], act)            # [1, F]
-    _mul_mat_vec(f, wd, g, qtypes[1], int8s[1], steps[1])            # [1, D]
+    mat_vec(f, wd, g, qtypes[1], int8s[1], steps[1])            # [1, D]
     _norm_if(f, post_norm, eps)
     ops.add(x, x, f)
 
@@ -87,7 +86,7 @@ def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, 
     """
     ffn_norm, post_norm = norms
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
-    _mul_mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
+    mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
     moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
     glu_id(g, wg, wu, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], int8s[1], steps[1], act)
     down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2])  # [1, D]
