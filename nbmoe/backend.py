@@ -250,7 +250,9 @@ class CPUBackend(Backend):
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
             rows, rope_p, rp["neox"], kc, vc, scale, window), "ATTN_BLOCK")
-        step.regions = 2 if same_v else 3      # q/k/v (+ v), o: tools/tg_overhead.py counts them
+        # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
+        # runs without a region)
+        step.regions = 1 + (0 if same_v else _region(pv)) + _region(po)
         return [None] * (len(members) - 1) + [step]
 
     def _bind_ffn_block(self, members, buf, state):
@@ -266,7 +268,7 @@ class CPUBackend(Backend):
         eps, act, blocks, wg, wd = norm.params["eps"], _act(self.fused, glu), self.blocks, pg[0], pd[0]
         step = _labelled(lambda: blocks.ffn_block(
             x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act), "FFN_BLOCK")
-        step.regions = 2                        # gate/up/GLU, down
+        step.regions = 1 + _region(pd)                  # gate/up/GLU, [down]
         return [None] * (len(members) - 1) + [step]
 
     def _bind_moe_block(self, members, buf, state):
@@ -288,7 +290,7 @@ class CPUBackend(Backend):
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
             act, norm_topk), "MOE_BLOCK")
-        step.regions = 2 + int(steps[0] < wr.shape[0])   # [router], experts' gate/up/GLU, down
+        step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 
     def alloc(self, shape, dtype):
@@ -316,6 +318,12 @@ class CPUBackend(Backend):
 
 _NO_NORM = np.zeros(0, np.float32)
 _NO_NORM.flags.writeable = False     # typed like the GGUF's read-only norm vectors
+
+
+def _region(product):
+    """1 if a one-token product (w, qtype, int8, step) opens a parallel region (mat_vec: more
+    than one work item)."""
+    return int(product[3] < product[0].shape[0])
 
 
 def _no_step():
