@@ -228,7 +228,7 @@ class CPUBackend(Backend):
         att = next(n for n in members if n.op == "ATTN")
         rope = next(n for n in members if n.op == "ROPE")
         o = members[members.index(att) + 1]
-        qk_norms = [n for n in members[4:members.index(rope)]]
+        qk_norms = members[4:members.index(rope)]
         post = members[-2] if members[-2].op == "RMS_NORM" else None
         same_v = self.weight(v.weight)[1] == self.weight(q.weight)[1]
         rows = [self.weight(n.weight)[0].shape[0] for n in (q, k, v)]
@@ -244,12 +244,12 @@ class CPUBackend(Backend):
         ws = tuple(p[0] for p in (pq, pk, pv, po))
         qtypes, int8s, steps = (tuple(p[j] for p in (pq, pk, pv, po)) for j in (1, 2, 3))
         rp, layer = rope.params, att.params["layer"]
-        rope_p = (rp["n_rot"], float(rp["base"]), float(rp["scale"]))
+        rope_p, neox = (rp["n_rot"], float(rp["base"]), float(rp["scale"])), rp["neox"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
-            rows, rope_p, rp["neox"], kc, vc, scale, window), "ATTN_BLOCK")
+            rows, rope_p, neox, kc, vc, scale, window), "ATTN_BLOCK")
         # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
         # runs without a region)
         step.regions = 1 + (0 if same_v else _region(pv)) + _region(po)

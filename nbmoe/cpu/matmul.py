@@ -200,7 +200,8 @@ def mul_mat_plain(out, w, x, qtype):
 
 def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items come in whole rounds of the threads (repacked: whole groups)."""
+    such that the items come in whole rounds of the threads (repacked: whole groups), or all
+    M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it on the calling thread)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
