@@ -157,12 +157,14 @@ class Backend:
 
 class CPUBackend(Backend):
     name = "CPU"
-    fuse_kinds = ("products", "glu", "glu_id", "down_combine")
+    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
+                  "moe_block")
 
     def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
-        from .cpu import attention, fused, matmul, moe, ops
+        from .cpu import attention, blocks, fused, matmul, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
+        self.blocks = blocks
         self.max_vec_t = matmul.BLAS_MIN_T - 1
         self.repacked = repacked or {}  # name -> (array, repacked qtype): -rtr (repack.py)
 
@@ -209,6 +211,88 @@ class CPUBackend(Backend):
         return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step),
                                 "MUL_MAT_ID+MOE_COMBINE")]
 
+    # -- whole blocks, one token (cpu/blocks.py) ---------------------------------------------
+    def _vec_product(self, node, buf, rows=None):
+        """(w, qtype, int8, rows per item) of a one-token product; rows: the item size's base
+        (all rows of a fused group), as mul_mat_step and _bind_products pick it."""
+        _, w, _, qtype = self.mul_mat_operands(node, buf)
+        step = self.mm.item_rows(rows or w.shape[0], w.shape[1], 1, qtype)
+        return w, qtype, self.mm._int8(qtype), step
+
+    def _norm_vectors(self, nodes):
+        """The norm weights of a block's optional RMS_NORM nodes (an empty array if None)."""
+        return tuple(self.vector(n.weight) if n is not None else _NO_NORM for n in nodes)
+
+    def _bind_attn_block(self, members, buf, state):
+        norm, q, k, v = members[:4]
+        att = next(n for n in members if n.op == "ATTN")
+        rope = next(n for n in members if n.op == "ROPE")
+        o = members[members.index(att) + 1]
+        qk_norms = members[4:members.index(rope)]
+        post = members[-2] if members[-2].op == "RMS_NORM" else None
+        same_v = self.weight(v.weight)[1] == self.weight(q.weight)[1]
+        rows = [self.weight(n.weight)[0].shape[0] for n in (q, k, v)]
+        base = sum(rows) if same_v else rows[0] + rows[1]
+        pq, pk = self._vec_product(q, buf, base), self._vec_product(k, buf, base)
+        pv = self._vec_product(v, buf, base if same_v else None)
+        po = self._vec_product(o, buf)
+        rows = np.array(rows if same_v else rows[:2] + [0], np.int64)
+        norms = (self.vector(norm.weight),) + self._norm_vectors(
+            qk_norms or [None, None]) + self._norm_vectors([post])
+        x, h, bq, bk, bv, ba, bo, pos = (buf[n] for n in (
+            norm.srcs[0], norm.out, q.out, k.out, v.out, att.out, o.out, "pos"))
+        ws = tuple(p[0] for p in (pq, pk, pv, po))
+        qtypes, int8s, steps = (tuple(p[j] for p in (pq, pk, pv, po)) for j in (1, 2, 3))
+        rp, layer = rope.params, att.params["layer"]
+        rope_p, neox = (rp["n_rot"], float(rp["base"]), float(rp["scale"])), rp["neox"]
+        kc, vc = state.kv.k[layer], state.kv.v[layer]
+        eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
+        step = _labelled(lambda: blocks.attn_block(
+            x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
+            rows, rope_p, neox, kc, vc, scale, window), "ATTN_BLOCK")
+        # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
+        # runs without a region)
+        step.regions = 1 + (0 if same_v else _region(pv)) + _region(po)
+        return [None] * (len(members) - 1) + [step]
+
+    def _bind_ffn_block(self, members, buf, state):
+        norm, gate, up, glu, down = members[:5]
+        post = members[5] if members[5].op == "RMS_NORM" else None
+        pg, pd = self._vec_product(gate, buf), self._vec_product(down, buf)
+        wu = self.mul_mat_operands(up, buf)[1]
+        # gate and up share items of rows twice as long (as _bind_glu)
+        step = self.mm.item_rows(pg[0].shape[0], 2 * pg[0].shape[1], 1, pg[1])
+        norms = (self.vector(norm.weight),) + self._norm_vectors([post])
+        x, h, g, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, glu.out, down.out))
+        qtypes, int8s, steps = (pg[1], pd[1]), (pg[2], pd[2]), (step, pd[3])
+        eps, act, blocks, wg, wd = norm.params["eps"], _act(self.fused, glu), self.blocks, pg[0], pd[0]
+        step = _labelled(lambda: blocks.ffn_block(
+            x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act), "FFN_BLOCK")
+        step.regions = 1 + _region(pd)                  # gate/up/GLU, [down]
+        return [None] * (len(members) - 1) + [step]
+
+    def _bind_moe_block(self, members, buf, state):
+        norm, router, topk, gate, up, glu, down, comb = members[:8]
+        post = members[8] if members[8].op == "RMS_NORM" else None
+        pr = self._vec_product(router, buf)
+        _, wg, _, ids, qg = self.mul_mat_id_operands(gate, buf)
+        wu = self.mul_mat_id_operands(up, buf)[1]
+        _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
+        A, mm = ids.shape[1], self.mm
+        # work items as the unfused glu_id and down_combine groups pick them
+        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg),
+                 mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
+        qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
+        norms = (self.vector(norm.weight),) + self._norm_vectors([post])
+        x, h, logits, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, router.out, comb.out))
+        wts, wr = buf[topk.out], pr[0]
+        eps, act, blocks, norm_topk = norm.params["eps"], _act(self.fused, glu), self.blocks, topk.params["norm"]
+        step = _labelled(lambda: blocks.moe_block(
+            x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
+            act, norm_topk), "MOE_BLOCK")
+        step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
+        return [None] * (len(members) - 1) + [step]
+
     def alloc(self, shape, dtype):
         return np.zeros(shape, dtype)
 
@@ -230,6 +314,16 @@ class CPUBackend(Backend):
         if t.ggml_type == GGMLQuantizationType.F32:
             return t.data.view(np.float32).reshape(-1)
         return self.mm.dequantize(t.data.reshape(1, -1), int(t.ggml_type)).reshape(-1)
+
+
+_NO_NORM = np.zeros(0, np.float32)
+_NO_NORM.flags.writeable = False     # typed like the GGUF's read-only norm vectors
+
+
+def _region(product):
+    """1 if a one-token product (w, qtype, int8, step) opens a parallel region (mat_vec: more
+    than one work item)."""
+    return int(product[3] < product[0].shape[0])
 
 
 def _no_step():

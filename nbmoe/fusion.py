@@ -9,16 +9,24 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
+  attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
+                ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU)
+  ffn_block     a dense layer's FFN half: RMS_NORM, gate, up, GLU, down,            T = 1
+                [post norm], residual ADD (CPU)
 
 Products need resident weights (cause `wgt`) on the matrix-vector path the fused kernels
 share (`vec_ok(node)`; on the GPU, with x in 8 bits). The GPU fuses every kind
-(nbmoe/cuda/fused.py), the CPU the products (nbmoe/cpu/fused.py).
+(nbmoe/cuda/fused.py), the CPU the products (nbmoe/cpu/fused.py) and, for one token, whole
+blocks (nbmoe/cpu/blocks.py: a compiled call per block instead of a Python step per node).
 """
 import os
 
 # NBMOE_NO_FUSE=1 binds every node on its own (for A/B timings and debugging).
 ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
+# NBMOE_NO_BLOCKS=1 keeps the block kinds off (the per-node groups stay): A/B of blocks.py.
+BLOCKS = os.environ.get("NBMOE_NO_BLOCKS", "") != "1"
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
+BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 
 def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None):
@@ -27,8 +35,11 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
     wtype(node): its weight's type as the backend stores it (the products of one group share
     it: a fused kernel takes one type)."""
     groups, i = {}, 0
+    blocks = BLOCKS and n_tokens == 1 and any(k in kinds for k in BLOCK_KINDS)
     while ENABLED and i < len(nodes):
-        found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype)
+        found = _match_block(nodes, i, backend, vec_ok, wtype) if blocks else None
+        if found is None:
+            found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype)
         if found is None or found[0] not in kinds:
             i += 1
             continue
@@ -92,3 +103,114 @@ def _match_rope_attn(nodes, i, backend):
     if norms and [(n.srcs[0], n.out) for n in norms] != [(q, q), (k, k)]:
         return None
     return "rope_attn", run
+
+
+# ---------------------------------------------------------------- whole blocks (T = 1)
+
+def _match_block(nodes, i, backend, vec_ok, wtype):
+    """attn_block or ffn_block starting at nodes[i] (model.py's layer, node for node), or None."""
+    run = nodes[i:i + 14]
+    if not run or run[0].op != "RMS_NORM" or "src_rows" in run[0].params:
+        return None
+    if any(n.backend != backend for n in run):
+        run = run[:next(j for j, n in enumerate(run) if n.backend != backend)]
+    for match in (_attn_block, _ffn_block, _moe_block):
+        n = match(run, lambda node, op="MUL_MAT": _product(node, op, backend, vec_ok), wtype)
+        if n:
+            return match.__name__[1:], run[:n]
+    return None
+
+
+class _Walk:
+    """Reads a run of nodes front to back: take(op, srcs, out) returns the next node if it
+    matches (srcs / out None: any), else None and the walk is spoiled."""
+
+    def __init__(self, run):
+        self.run, self.i, self.ok = run, 0, True
+
+    def peek(self):
+        return self.run[self.i] if self.ok and self.i < len(self.run) else None
+
+    def take(self, op, srcs=None, out=None):
+        n = self.peek()
+        if n is None or n.op != op or (srcs is not None and n.srcs != tuple(srcs)) or (
+                out is not None and n.out != out):
+            self.ok = False
+            return None
+        self.i += 1
+        return n
+
+    def norm_in_place(self, buf):
+        """An optional RMS_NORM of buf into itself (qk norms, gemma's post norms)."""
+        n = self.peek()
+        if n is not None and n.op == "RMS_NORM" and n.srcs == (buf,) and n.out == buf:
+            self.i += 1
+            return n
+        return None
+
+
+def _attn_block(run, product, wtype):
+    """Nodes in an attn_block at the front of run (0 if none): RMS_NORM x -> h; q, k, v of h;
+    [RMS_NORM q, k]; ROPE q, k; ATTN; o of attn; [RMS_NORM o]; ADD x = x + o."""
+    w = _Walk(run)
+    norm = w.take("RMS_NORM")
+    x, h = norm.srcs[0], norm.out
+    q, k, v = (w.take("MUL_MAT", (h,)) for _ in range(3))
+    if not w.ok or not all(product(p) for p in (q, k, v)) or wtype(q) != wtype(k):
+        return 0
+    qn = w.norm_in_place(q.out)
+    kn = w.norm_in_place(k.out) if qn else None
+    if bool(qn) != bool(kn):
+        return 0
+    rq = w.take("ROPE", (q.out, "pos"), q.out)
+    rk = w.take("ROPE", (k.out, "pos"), k.out)
+    at = w.take("ATTN", (q.out, k.out, v.out, "pos"))
+    o = w.take("MUL_MAT", (at.out,)) if at else None
+    if not w.ok or not product(o) or rq.params != rk.params:
+        return 0
+    w.norm_in_place(o.out)
+    w.take("ADD", (x, o.out), x)
+    return w.i if w.ok and _same_eps(run[:w.i]) else 0
+
+
+def _ffn_block(run, product, wtype):
+    """Nodes in an ffn_block at the front of run (0 if none): RMS_NORM x -> h; gate, up of h
+    (one type); GLU; down; [RMS_NORM down]; ADD x = x + down."""
+    w = _Walk(run)
+    norm = w.take("RMS_NORM")
+    x, h = norm.srcs[0], norm.out
+    gate, up = w.take("MUL_MAT", (h,)), w.take("MUL_MAT", (h,))
+    glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
+    down = w.take("MUL_MAT", (glu.out,)) if w.ok else None
+    if not w.ok or not all(product(p) for p in (gate, up, down)) or wtype(gate) != wtype(up):
+        return 0
+    w.norm_in_place(down.out)
+    w.take("ADD", (x, down.out), x)
+    return w.i if w.ok and _same_eps(run[:w.i]) else 0
+
+
+def _moe_block(run, product, wtype):
+    """Nodes in a moe_block at the front of run (0 if none): RMS_NORM x -> h; router of h;
+    TOPK_MOE; expert gate, up of h (one type); GLU; expert down; MOE_COMBINE; [RMS_NORM];
+    ADD x = x + combined."""
+    w = _Walk(run)
+    norm = w.take("RMS_NORM")
+    x, h = norm.srcs[0], norm.out
+    router = w.take("MUL_MAT", (h,))
+    topk = w.take("TOPK_MOE", (router.out,)) if w.ok else None
+    ids = topk.params["also_writes"][0] if w.ok else None
+    gate, up = w.take("MUL_MAT_ID", (h, ids)), w.take("MUL_MAT_ID", (h, ids))
+    glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
+    down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
+    comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
+    if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))
+            or wtype(gate) != wtype(up)):
+        return 0
+    w.norm_in_place(comb.out)
+    w.take("ADD", (x, comb.out), x)
+    return w.i if w.ok and _same_eps(run[:w.i]) else 0
+
+
+def _same_eps(nodes):
+    """The block kernels take one eps for all their norms (a model's norm_eps)."""
+    return len({n.params["eps"] for n in nodes if n.op == "RMS_NORM"}) == 1

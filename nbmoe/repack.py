@@ -32,7 +32,9 @@ def repack_weights(gguf, weights, placement):
     shared = {id(weights[n]) for n in GET_ROWS_WEIGHTS if n in weights}
     for name in names:
         t = weights[name]
-        out[name] = repack_tensor(t.data, t.ggml_type)
+        arr, qtype = repack_tensor(t.data, t.ggml_type)
+        arr.flags.writeable = False   # typed as the GGUF's read-only weights: no second compile
+        out[name] = arr, qtype
         if id(t) not in shared:   # a tied embedding's pages stay: GET_ROWS reads them
             gguf.drop_pages(t.offset, t.n_bytes)
     return out, dict(tensors=len(out), bytes=sum(a.nbytes for a, _ in out.values()),

@@ -230,6 +230,7 @@ def test_mul_mat_id_repeated_expert_in_token():
 def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     M = 41
     w = quantize(rnd(M, K, seed=12), name)
     x = rnd(T, K, seed=13)
@@ -245,6 +246,7 @@ def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
 def test_mul_mat_id_int8_blocks(name, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     E, A, M, K = 5, 2, 23, 224
     w = quantize(rnd(E, M, K, seed=14), name)
     x = rnd(1, A, K, seed=15)
@@ -256,10 +258,32 @@ def test_mul_mat_id_int8_blocks(name, monkeypatch):
 
 def test_item_rows(monkeypatch):
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     assert matmul.item_rows(100, 360, 3) == matmul.ITEM_ROWS        # several tokens: L1-sized runs
     rows = matmul.item_rows(101, 360, 1)                              # one token: ~ITEM_BYTES, even
     assert rows % 2 == 0 and 2 <= rows and rows * 360 <= 2 * 1000
     assert matmul.item_rows(3, 360, 1) == 2
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 4000)
+    assert matmul.item_rows(11, 360, 1) == 11                         # small: one item, no region
+    assert matmul.item_rows(11, 360, 3) == matmul.ITEM_ROWS
+
+
+@pytest.mark.parametrize("name", ["F32", "Q4_1", "Q8_0"])
+def test_mat_vec_on_one_thread(name, monkeypatch):
+    """A weight below SERIAL_MAX_BYTES: one item on the calling thread, the very sums of the
+    parallel items (each row's dot is the same code)."""
+    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    M, K = 21, 96
+    w, x = quantize(rnd(M, K, seed=31), name), rnd(1, K, seed=32)
+    qt, int8 = int(Q[name]), matmul._int8(int(Q[name]))
+    one, items = (np.full((1, M), np.nan, np.float32) for _ in range(2))
+    matmul.mat_vec(one, w, x, qt, int8, matmul.item_rows(M, w.shape[1], 1, qt))
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)
+    step = matmul.item_rows(M, w.shape[1], 1, qt)
+    assert step < M
+    matmul.mat_vec(items, w, x, qt, int8, step)
+    np.testing.assert_array_equal(one, items)
+    assert max_rel(one, (x_rounded(x) if int8 else x.astype(np.float64)) @ ref_dequant(w, name, K).T) < RTOL
 
 
 def run_without_vnni(code):
@@ -307,6 +331,7 @@ def test_repack_decodes_exactly(name):
 def test_mul_mat_rtr(name, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     M, K = 37, 224
     w = quantize(rnd(M, K, seed=21), name)
     wr, qr = repacked(w, name)
@@ -332,6 +357,7 @@ def test_mul_mat_rtr(name, T, monkeypatch):
 def test_mul_mat_id_rtr(name, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     E, A, M, K = 6, 3, 37, 224
     w = quantize(rnd(E, M, K, seed=23), name)
     wr, qr = repacked(w, name)

@@ -26,6 +26,7 @@ def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
     if int8 and not matmul.HAS_VNNI:
         pytest.skip("the 8-bit path is off without VNNI")
     monkeypatch.setattr(matmul, "INT8_DOT", int8)
+    monkeypatch.setattr(fusion, "BLOCKS", False)      # the per-node groups (blocks: below)
     path = (tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0") if shape == "moe"
             else tiny_model(**DENSE, default_type="Q4_1"))
     fused, llm = decode(path)
@@ -42,6 +43,7 @@ def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
 
 def test_cpu_groups_on_repacked_weights(tiny_model, monkeypatch):
     """-rtr: the fused groups run the repacked kernels (16-row groups: items of whole groups)."""
+    monkeypatch.setattr(fusion, "BLOCKS", False)
     path = tiny_model(**{**MOE, "n_ff_exp": 96}, types=[("exps", "Q4_0")], default_type="Q8_0")
     fused, llm = decode(path, repack=True)
     assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "glu_id", "down_combine"}
@@ -49,3 +51,30 @@ def test_cpu_groups_on_repacked_weights(tiny_model, monkeypatch):
     plain, _ = decode(path, repack=True)
     for a, b in zip(fused, plain):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+BLOCK_CASES = {   # name: (tiny_model kwargs, block kinds of a decoding token)
+    "llama": (dict(arch="llama", default_type="Q4_1"), {"attn_block", "ffn_block"}),
+    # QK-norm, v of another type than q and k (its own product inside the block)
+    "qwen3": (dict(arch="qwen3", types=[("attn_v", "Q8_0")], default_type="Q4_1"),
+              {"attn_block", "ffn_block"}),
+    "moe": (dict(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0"), {"attn_block", "moe_block"}),
+}
+
+
+@pytest.mark.parametrize("repack", [False, True])
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_cpu_blocks_equal_nodes(tiny_model, monkeypatch, case, repack):
+    """cpu/blocks.py: a decoding token's layers as one compiled call per block give the very
+    logits of the nodes bound one by one (the same kernels, in the same order)."""
+    kw, kinds = BLOCK_CASES[case]
+    path = tiny_model(**kw)
+    blocks, llm = decode(path, repack=repack)
+    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == kinds
+    labels = [op for _, op in llm.plan(1, 1).labels]
+    assert labels.count("ATTN_BLOCK") == llm.cfg.n_layer and "ATTN" not in labels
+    monkeypatch.setattr(fusion, "BLOCKS", False)
+    nodes, llm = decode(path, repack=repack)
+    assert not {k for k, _ in llm.backends["CPU"]._groups.values()} & set(fusion.BLOCK_KINDS)
+    for a, b in zip(blocks, nodes):
+        np.testing.assert_array_equal(a, b)

@@ -59,6 +59,10 @@ ITEM_ROWS = 32
 # memory both threads share (~0.12 us per item, 2 threads), 2% of 576 x 576 at 64 KB items,
 # 2% of the 30 MB output of SmolLM2 (456 items of 64 KB).
 ITEM_BYTES = 1 << 40
+# One token times a weight smaller than this runs on the calling thread (one work item, no
+# parallel region): a region's fork and join (~1.5 us on 2 idle threads, a scheduler tick on
+# a busy machine) costs what splitting ~32 KB of row dots saves. A MoE router is this small.
+SERIAL_MAX_BYTES = 32 << 10
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
@@ -196,10 +200,13 @@ def mul_mat_plain(out, w, x, qtype):
 
 def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items come in whole rounds of the threads (repacked: whole groups)."""
+    such that the items come in whole rounds of the threads (repacked: whole groups), or all
+    M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it on the calling thread)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
+    if M * row_bytes < SERIAL_MAX_BYTES:
+        return M                    # one item: mat_vec runs it without a parallel region
     nt = numba.get_num_threads()
     n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
@@ -214,6 +221,23 @@ def _mul_mat_vec(out, w, x, qtype, int8, step):
         r0, r1 = item * step, min(M, (item + 1) * step)
         for t in range(x.shape[0]):
             _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+
+
+@njit(cache=True, error_model="numpy")
+def _mul_mat_vec_seq(out, w, x, qtype, int8):
+    """_mul_mat_vec as one work item on the calling thread."""
+    xsum, xi = _prepare_x(x, int8, qtype)
+    for t in range(x.shape[0]):
+        _dot_rows(qtype, out[t], w, x, t, xsum, xi, int8)
+
+
+@njit(cache=True, error_model="numpy")
+def mat_vec(out, w, x, qtype, int8, step):
+    """_mul_mat_vec; a weight that is one work item (item_rows) without a parallel region."""
+    if step >= w.shape[0]:
+        _mul_mat_vec_seq(out, w, x, qtype, int8)
+    else:
+        _mul_mat_vec(out, w, x, qtype, int8, step)
 
 
 # ---------------------------------------------------------------- dequantize rows
@@ -255,7 +279,7 @@ def mul_mat(out, w, x, qtype):
     if x.shape[0] >= GEMM_MIN_T and batched_int8(qtype):
         gemm_i8.mul_mat(out, w, x, qtype)
     elif x.shape[0] < BLAS_MIN_T:
-        _mul_mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
+        mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
     else:
         _mul_mat_blas(out, w, x, qtype)
 
@@ -265,7 +289,9 @@ def mul_mat_step(out, w, x, qtype):
     are chosen once, at binding (as the fused groups' are): ~2 us less per call."""
     if x.shape[0] == 1:
         int8, step = _int8(int(qtype)), item_rows(w.shape[0], w.shape[1], 1, qtype)
-        return lambda: _mul_mat_vec(out, w, x, qtype, int8, step)
+        step_fn = lambda: mat_vec(out, w, x, qtype, int8, step)  # noqa: E731
+        step_fn.regions = int(step < w.shape[0])    # parallel regions (tools/tg_overhead.py)
+        return step_fn
     return lambda: mul_mat(out, w, x, qtype)
 
 

@@ -1,0 +1,94 @@
+"""Decoding a whole block of a layer in one compiled call (CPU, one token).
+
+Letters: D model dim, H heads, Hkv kv heads, Dh head dim, F FFN width, C cache slots.
+
+Bound node by node, a SmolLM2-135M token is 333 Python steps (393 for the upcycled MoE),
+each a lambda and a Numba dispatch of ~0.5-2 us. These functions run the nodes of one block
+(fusion.find_groups: kind attn_block, ffn_block or moe_block) in sequence inside one @njit
+function, calling the kernels those nodes bind to (rms_norm, the fused products, rope,
+store_kv + attention, topk_route, add), so the results are bit-identical to the unfused
+steps; a token is then 63 steps. They are serial glue: the products inside open their own
+parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 a layer; a MoE router is small enough
+to run on the calling thread, matmul.SERIAL_MAX_BYTES), and the small row ops between them
+run on the calling thread, as they do unfused at T = 1.
+
+Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
+as matmul's matrix-vector kernels take them. Absent optional norms are empty arrays.
+"""
+from numba import njit
+
+from . import attention as attn
+from . import moe, ops
+from .fused import _products, down_combine, glu, glu_id
+from .matmul import mat_vec
+
+
+@njit(cache=True, error_model="numpy")
+def _norm_if(x, w, eps):
+    """RMS-norm x [1, ...] in place by w, unless w is empty (the architecture has no such norm)."""
+    if w.shape[0] > 0:
+        ops.rms_norm(x, x, w, eps)
+
+
+@njit(cache=True, error_model="numpy")
+def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, qtypes, int8s,
+               steps, rows, rope_p, neox, kc, vc, scale, window):
+    """x [1, D] += post_norm(attn(rope(norm(q)), rope(norm(k)), v) @ Wo^T), with
+    q, k, v = attn_norm(x) @ Wq^T, Wk^T, Wv^T.
+
+    h [1, D], q / att [1, H, Dh], k / v [1, Hkv, Dh], o [1, D]: the graph's buffers.
+    norms = (attn_norm, q_norm, k_norm, post_attention_norm); qtypes, int8s, steps: per
+    product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has another type than q
+    and k, and then runs on its own); rope_p = (n_rot, freq_base, freq_scale).
+    """
+    attn_norm, q_norm, k_norm, post_norm = norms
+    ops.rms_norm(h, x, attn_norm, eps)                               # [1, D]
+    q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
+    _products((q2, k2, v2), (wq, wk, wv), h, qtypes[0], int8s[0], steps[0], rows)
+    if rows[2] == 0:     # v of another type: its own product
+        mat_vec(v2, wv, h, qtypes[2], int8s[2], steps[2])
+    _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
+    _norm_if(k, k_norm, eps)
+    n_rot, base, freq_scale = rope_p
+    ops.rope(q, pos, n_rot, base, neox, freq_scale)
+    ops.rope(k, pos, n_rot, base, neox, freq_scale)
+    attn.store_kv(kc, vc, k, v, pos0)
+    attn.attention(att, q, kc, vc, pos0, scale, window)              # [1, H, Dh]
+    mat_vec(o, wo, att.reshape(1, att.size), qtypes[3], int8s[3], steps[3])   # [1, D]
+    _norm_if(o, post_norm, eps)
+    ops.add(x, x, o)
+
+
+@njit(cache=True, error_model="numpy")
+def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act):
+    """x [1, D] += post_norm(act(h @ Wg^T) * (h @ Wu^T) @ Wd^T), h = ffn_norm(x).
+
+    h [1, D], g [1, F], f [1, D]: the graph's buffers; norms = (ffn_norm, post_ffw_norm);
+    qtypes, int8s, steps: per product gate/up (one type), down; act: fused.ACT_*.
+    """
+    ffn_norm, post_norm = norms
+    ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
+    glu(g, wg, wu, h, qtypes[0], int8s[0], steps[0], act)            # [1, F]
+    mat_vec(f, wd, g, qtypes[1], int8s[1], steps[1])            # [1, D]
+    _norm_if(f, post_norm, eps)
+    ops.add(x, x, f)
+
+
+@njit(cache=True, error_model="numpy")
+def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
+              act, norm_topk):
+    """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
+    h = ffn_norm(x), e_a and wts = the top-A of the router's logits h @ Wr^T.
+
+    h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
+    norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
+    (one type), down.
+    """
+    ffn_norm, post_norm = norms
+    ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
+    mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
+    moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
+    glu_id(g, wg, wu, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], int8s[1], steps[1], act)
+    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2])  # [1, D]
+    _norm_if(f, post_norm, eps)
+    ops.add(x, x, f)
