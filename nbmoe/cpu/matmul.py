@@ -40,7 +40,7 @@ from numba import njit, prange
 from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_1, Q5_1
-from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, lane_bias, prepare_blocks, quantize_x
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, lane_bias, prepare_blocks, quantize_x, x_extra_words
 from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
                          dequant_rows_r16, dot_rows_r16)
 
@@ -127,7 +127,7 @@ def _prepare_x(x, int8, qtype):
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
-    nb = K // 4 + (B if repacked else 0) if int8 and lane_bias(qt) else 0
+    nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 and lane_bias(qt) else 0
     xb = np.empty((N, nb), np.int32)
     xds = np.empty((N, 2 * B if int8 and (qt == Q4_1 or qt == Q5_1) else 0), np.float32)
     for n in range(N):
