@@ -114,7 +114,7 @@ def int8_path(qtype, n_tokens):
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
 # the type's extras xb [N, x_extra_words] int32 (Q5_0 / Q8_0: lane biases; Q4_0: quants_q4x's
-# record; IQ4_*, MXFP4, Q4_K: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
+# record; IQ4_*, MXFP4: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
 # (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B].
 # The unused ones are empty.
 

@@ -21,11 +21,8 @@ from llvmlite import ir
 from numba import carray, njit
 
 from .quants import FM, f32, lanes16, stack_f32, sum16
-from .quants_iq4 import copy16
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .simd import F32, I8, I32, acc_intrinsic, const, vec
-
-u64 = np.uint64
 
 
 # ---------------------------------------------------------------- IR bodies
@@ -116,26 +113,10 @@ def _q3_k(e):
 
 
 def _q4_k(e):
-    """x as prepare_q4_k's xk: each 64-byte load of qs (chunks 2h, 2h + 1) dots its low
-    nibbles (sub-blocks 4h, 4h + 2) with xk[128h:], its high nibbles (4h + 1, 4h + 3) with
-    xk[128h + 64:], no shuffles of the codes."""
     s = _k_head(e)
     e.add(e.keep(s, [0] * 8 + [1] * 8))                              # the mins
-    for h in range(2):
-        lo, hi = e.nibbles(e.bytes(16 + 64 * h, 64))
-        e.acc_dot(lo, e.xq(128 * h), s, [4 * h] * 8 + [4 * h + 2] * 8)
-        e.acc_dot(hi, e.xq(128 * h + 64), s, [4 * h + 1] * 8 + [4 * h + 3] * 8)
-
-
-@njit(cache=True, error_model="numpy")
-def prepare_q4_k(xb, xq):
-    """xb [K / 4] int32 <- xk [K] int8, the x codes in the order _q4_k reads them: per 128
-    values x[0:32], x[64:96], x[32:64], x[96:128]."""
-    xk = xb.view(np.int8)
-    for g in range(u64(xq.shape[0] // 128)):
-        for j, src in enumerate((0, 64, 32, 96)):
-            for i in range(u64(2)):
-                copy16(xk, u64(128) * g + u64(32 * j) + u64(16) * i, xq, u64(128) * g + u64(src) + u64(16) * i)
+    for c in range(4):
+        e.acc_dot(_nibbles64(e, 16 + 32 * c), e.xq(64 * c), s, _subs(c))
 
 
 def _q5_k(e):
@@ -206,12 +187,11 @@ def dot_rows_q3_k_i8(out, w, xq, xd, xs):
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_q4_k_i8(out, w, xq, xd, xs, xb):
-    xk = xb.view(np.int8)                               # prepare_q4_k's order
+def dot_rows_q4_k_i8(out, w, xq, xd, xs):
     for r in range(w.shape[0]):
         row, acc = w[r], lanes16()
         for b in range(row.shape[0] // 144):
-            acc_q4_k(acc, row, b * 144, xk, xd, xs, b)
+            acc_q4_k(acc, row, b * 144, xq, xd, xs, b)
         out[r] = sum16(acc)
 
 
@@ -237,10 +217,9 @@ def dot_rows_q6_k_i8(out, w, xq, xd, xs):
 # ---------------------------------------------------------------- dispatch (from quants_int8.py)
 
 @njit(cache=True, error_model="numpy")
-def dot_rows_k_i8(qtype, out, w, xq, xd, xs, xb):
-    """xb: Q4_K's reordered x (prepare_q4_k)."""
+def dot_rows_k_i8(qtype, out, w, xq, xd, xs):
     if qtype == Q4_K:
-        dot_rows_q4_k_i8(out, w, xq, xd, xs, xb)
+        dot_rows_q4_k_i8(out, w, xq, xd, xs)
     elif qtype == Q6_K:
         dot_rows_q6_k_i8(out, w, xq, xd, xs)
     elif qtype == Q5_K:
