@@ -26,13 +26,16 @@ rearranged instead, once per call, so that its codes sit under the nibbles they 
   carries Q4_0's v = d (q - 8).
 
 Per step: 2 loads of W, 5 of the x record, 2 and + 1 shift, 2 vpdpbusd, vpermi2w,
-vcvtph2ps, cvtdq2ps, 1 mul, 1 FMA for 3.56 blocks (~1.9 cycles a block by llvm-mca on
-Cascade Lake, from ~2.7).
+vcvtph2ps, cvtdq2ps, 1 mul, 1 FMA for 3.56 blocks (~1.8 cycles a block by llvm-mca on
+Cascade Lake, from ~2.7). A row's last step reads on into the next row (x is 0 there); only
+the last row of w takes masked loads.
 
-The x record of step t (REC bytes, built by prepare_q4x, K-dependent only through RB):
-   0: xlo [64] int8    64: xhi [64] int8    128: bias [16] int32    192: xdl [16] f32 (xd_b(L),
-   0 past the row)    256: didx [32] int16 (word of d_b(L) in [prev | this], lanes 16.. unused)
-   320: mask u64 (bytes of the step inside the row)   328: mask of the previous 64 bytes
+The x record (REC * S bytes, built by prepare_q4x; K-dependent only through RB): six sections,
+each an entry per step t, at byte offsets
+   0: xlo [S][64] int8        64 S: xhi [S][64] int8        128 S: bias [S][16] int32
+   192 S: xdl [S][16] f32 (xd_b(L), 0 past the row)
+   256 S: didx [S][32] int16 (the word of d_b(L) in [prev | this]; words 16.. unused)
+   320 S: masks [S][2] u64 (bytes of the step inside the row, of the previous 64 bytes)
 Parallelized by the caller (matmul) over runs of rows.
 """
 import llvmlite.binding as llb
