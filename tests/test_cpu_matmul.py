@@ -19,7 +19,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from nbmoe.cpu import matmul
-from nbmoe.cpu.quants_int8 import INT8_TYPES, quantize_x
+from nbmoe.cpu import quants_q4x
+from nbmoe.cpu.quants_int8 import INT8_TYPES, prepare_blocks, quantize_x, x_extra_words
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 RTOL = 1e-5      # float32 sums of exactly decoded values
@@ -254,6 +255,27 @@ def test_mul_mat_id_int8_blocks(name, monkeypatch):
     out = np.full((1, A, M), np.nan, np.float32)
     matmul.mul_mat_id(out, w, x, ids, int(Q[name]))
     assert max_rel(out, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
+
+
+# quants_q4x (Q4_0 with AVX-512 BW + VNNI): rows of 18 B bytes read 64 at a time, x laid out
+# under them. K = 32, 64, 96: rows shorter than one step (masked loads only); 288: two steps
+# and a tail; 1024: nine whole steps; 768 (an expert's): six and a tail. Every row but the
+# last reads its tail step on into the next row.
+
+@pytest.mark.skipif(not quants_q4x.ENABLED, reason="needs AVX-512 BW and VNNI")
+@pytest.mark.parametrize("K", [32, 64, 96, 288, 768, 1024])
+def test_q4x_rows(K):
+    M = 5
+    w = quantize(rnd(M, K, seed=16), "Q4_0")
+    x = rnd(K, seed=17)
+    x[3] = -25.0                                  # one block with a larger scale
+    xq, xd, xs = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
+    quantize_x(xq, xd, xs, x)
+    xb = np.empty(x_extra_words(int(Q.Q4_0), K), np.int32)
+    prepare_blocks(xb, np.empty(0, np.float32), xq, xd, xs, int(Q.Q4_0))
+    out = np.full(M, np.nan, np.float32)
+    quants_q4x.dot_rows_q4x(out, w, xb)
+    assert max_rel(out, ref_dequant(w, "Q4_0", K) @ x_rounded(x)) < RTOL
 
 
 def test_item_rows(monkeypatch):

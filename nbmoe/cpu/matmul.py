@@ -40,7 +40,7 @@ from numba import njit, prange
 from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_1, Q5_1
-from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, lane_bias, prepare_blocks, quantize_x
+from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x, x_extra_words
 from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
                          dequant_rows_r16, dot_rows_r16)
 
@@ -117,8 +117,9 @@ def int8_path(qtype, n_tokens):
 # ---------------------------------------------------------------- per-token x extras
 # x [N, K] -> the float path's block sums xsum [N, B] (they carry the block offsets m, -8 d),
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
-# for Q4_0 / Q5_0 / Q8_0 the lane biases xb [N, K / 4], for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
-# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 followed by block biases [N, B].
+# the type's extras xb [N, x_extra_words] int32 (Q5_0 / Q8_0: lane biases; Q4_0: quants_q4x's
+# record; IQ4_*, MXFP4: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
+# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B].
 # The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")
@@ -131,7 +132,7 @@ def _prepare_x(x, int8, qtype):
     xq = np.empty((N, K if int8 else 0), np.int8)
     xd = np.empty((N, B if int8 else 0), np.float32)
     xs = np.empty((N, B if int8 else 0), np.float32)
-    nb = K // 4 + (B if repacked else 0) if int8 and lane_bias(qt) else 0
+    nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 else 0
     xb = np.empty((N, nb), np.int32)
     xds = np.empty((N, 2 * B if int8 and (qt == Q4_1 or qt == Q5_1) else 0), np.float32)
     for n in range(N):

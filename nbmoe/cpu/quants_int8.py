@@ -30,6 +30,11 @@ dot4 is `vpdpbusd` (AVX-512 VNNI) where the CPU has it, else plain widen-multipl
 that LLVM turns into pmaddwd + phaddd code (no faster than the float dots): same results.
 Error vs float x: about 0.5-1% of the largest output (the 8-bit x), as in llama.cpp.
 
+Q4_0 on CPUs with AVX-512 BW takes quants_q4x instead (the row read as it lies, x laid out
+under it: ~25-30% less compute); its block kernel here stays for the others. The 4-bit table
+types (quants_iq4) also read x rearranged: prepare_blocks makes each
+type's x extras once per call (x_extra_words sizes them).
+
 Adding a 32-value block type = its unpack in _emit_blocks, block_bytes / lane_bias entries,
 its dot_rows_<type>, a branch in dot_rows_i8 (larger blocks: simd.acc_intrinsic).
 """
@@ -42,7 +47,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import quants_iq4, quants_iq_i8, quants_k_i8
+from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
 from .simd import PREFETCH
 from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, sum16
 
@@ -228,23 +233,49 @@ def lane_bias(qt):
     return 8 if qt == Q4_0 else 16 if qt == Q5_0 else 128 if qt == Q8_0 else 0
 
 
+@njit(inline="always")
+def q4x(qt):
+    """Whether qt's matrix-vector takes quants_q4x (Q4_0 with AVX-512 BW + VNNI)."""
+    return qt == Q4_0 and quants_q4x.ENABLED
+
+
+@njit(inline="always")
+def x_extra_words(qt, K):
+    """int32 words of prepare_blocks' xb for rows of K values of type qt (before the block biases)."""
+    if q4x(qt):
+        return quants_q4x.REC * quants_q4x.steps(K // 32 * 18) // 4
+    if qt in IQ4_TYPES:
+        return K // 8 + K // 4               # quants_iq4.prepare_quads
+    return K // 4 if lane_bias(qt) else 0
+
+
 @njit(cache=True, error_model="numpy")
 def prepare_blocks(xb, xds, xq, xd, xs, qtype):
     """The x extras of acc_blocks: xb [K / 4] int32 = -bias * (sum of xq[4k:4k + 4]) with the
     bias of the stored codes (Q4_0: 8, Q8_0: 128), where xb is longer followed by [B] block
-    sums of those (quants_rtr); xds [2B] = (xd, xs) pairs (Q4_1)."""
+    biases -bias * (sum of xq over the block) (quants_rtr); for Q4_0 with quants_q4x, the
+    record of quants_q4x instead of the lane biases; xds [2B] = (xd, xs) pairs (Q4_1); for
+    IQ4_NL / IQ4_XS / MXFP4 quants_iq4.prepare_quads' record."""
     if lane_bias(qtype):
         bias = np.int32(lane_bias(qtype))
-        n = xq.shape[0] // 4
-        for k in range(n):
-            xb[k] = -bias * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
-                             + np.int32(xq[4 * k + 3]))
+        K, B = xq.shape[0], xd.shape[0]
+        n = x_extra_words(qtype, K)
+        if q4x(qtype):
+            quants_q4x.prepare_q4x(xb[:n].view(np.uint8), xq, xd, B * 18)
+        else:
+            for k in range(n):
+                xb[k] = -bias * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
+                                 + np.int32(xq[4 * k + 3]))
         for b in range(xb.shape[0] - n):   # the repacked kernels' block biases (quants_rtr)
-            xb[n + b] = xb[8 * b] + xb[8 * b + 1] + xb[8 * b + 2] + xb[8 * b + 3] + xb[8 * b + 4] \
-                + xb[8 * b + 5] + xb[8 * b + 6] + xb[8 * b + 7]
+            s = np.int32(0)
+            for i in range(32):
+                s += np.int32(xq[32 * b + i])
+            xb[n + b] = -bias * s
     elif qtype == Q4_1 or qtype == Q5_1:
         for b in range(xd.shape[0]):
             xds[2 * b], xds[2 * b + 1] = xd[b], xs[b]
+    elif qtype in IQ4_TYPES:
+        quants_iq4.prepare_quads(xb, xq, np.int32(quants_iq4.quad_bias(qtype)))
 
 
 # ---------------------------------------------------------------- dot_rows per type
@@ -317,7 +348,9 @@ def dot_rows_q5_1(out, w, xq, xd, xb, xds):   # d:f16 m:f16 qh:4 qs:16
 def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
     """out [R] <- dequant(w [R, row_bytes]) @ x, x given as quantize_x's (xq, xd, xs) and
     prepare_blocks' (xb, xds)."""
-    if qtype == Q4_0:
+    if q4x(qtype):
+        quants_q4x.dot_rows_q4x(out, w, xb)
+    elif qtype == Q4_0:
         dot_rows_q4_0(out, w, xq, xd, xb, xds)
     elif qtype == Q4_1:
         dot_rows_q4_1(out, w, xq, xd, xb, xds)
@@ -330,6 +363,6 @@ def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
     elif qtype in K_TYPES:
         quants_k_i8.dot_rows_k_i8(qtype, out, w, xq, xd, xs)
     elif qtype in IQ4_TYPES:
-        quants_iq4.dot_rows_iq4_i8(qtype, out, w, xq, xd, xs)
+        quants_iq4.dot_rows_iq4_i8(qtype, out, w, xq, xd, xs, xb)
     elif qtype in IQ_TYPES:
         quants_iq_i8.dot_rows_iq_i8(qtype, out, w, xq, xd, xs)

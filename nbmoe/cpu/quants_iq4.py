@@ -14,17 +14,21 @@ KV_MXFP4 holds the E2M1 values doubled (hence the 2**(e - 128) = half of 2**(e -
 Integer dots (quants_k_i8.py and simd.py describe the scheme): the levels fit in int8, so the
 codes of a block become bytes by one `vpshufb` table lookup, stored + a bias (unsigned for
 vpdpbusd: + 128 for IQ4, + 12 for MXFP4) with bias * the x sum taken off per block, as
-quants_int8's Q8_0. The 32-value
-types take four blocks per intrinsic call (two 512-bit dots).
+quants_int8's Q8_0. Four blocks (IQ4_XS: four sub-blocks) share one 512-bit register of codes
+and one integer accumulator, x rearranged to meet them ("4 blocks per vector" below); the
+last 1-3 blocks of a row of the 32-value types go one at a time.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import MXFP4 as _MXFP4
 from llvmlite import ir
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .quants import FM, block32, f32, lanes16, load_f16, sum16, u8, u32
+
+u64 = np.uint64
 from .simd import F32, I32, acc_intrinsic, const, vec
 
 IQ4_NL = int(GGMLQuantizationType.IQ4_NL)
@@ -208,17 +212,111 @@ def _iq4_xs(e):
 acc_iq4_xs = acc_intrinsic(_iq4_xs, 256, 8, 136)
 
 
+# ---------------------------------------------------------------- integer dots, 4 blocks per vector
+# The bodies above gather each block's 16 code bytes twice into a 512-bit register (broadcast,
+# insert, shift per 16-bit lane) to meet x in its natural order. Here one register holds the
+# code bytes of 4 blocks (IQ4_XS: 4 sub-blocks, one 64-byte load; the 32-value types: 4 pieces),
+# and x is rearranged once per call (prepare_quads) to meet them:
+#   codes  [qs_0 | qs_1 | qs_2 | qs_3]  (16 bytes each: byte i = values i (low), 16 + i (high))
+#   xq4    [x_0[0:16] | x_1[0:16] | x_2[0:16] | x_3[0:16] | x_0[16:32] | ... | x_3[16:32]]
+#   lanes = init + dot4(codes & 15 -> level, xq4[0:64]) + dot4(codes >> 4 -> level, xq4[64:128])
+# so lanes 4j..4j + 3 hold block j's whole dot: one float conversion and one FMA with the
+# scales [s_0 x 4 | s_1 x 4 | s_2 x 4 | s_3 x 4] per 4 blocks; init = -bias * (the lane's 8 x
+# codes), from prepare_quads, takes the level bias off (no float term per block).
+
+def _quad(e, q, table, at, s):
+    """acc += float(lanes) * s for the codes q [64 bytes of 4 blocks], x at xq4[at:at + 128]
+    and lane biases xs[at / 8:]; s: <16 x float> per-lane scales."""
+    lo, hi = e.lut(table, e.band(q, 15)), e.lut(table, e.band(e.shr(q, 4), 15))
+    lanes = e.dot(hi, e.xq(at + 64), e.dot(lo, e.xq(at), e.xsi(16, at // 8)))
+    e.add(e.mul(e.tofloat(lanes), s))
+
+
+def _quad4(e, i):
+    return [4 * i + j // 4 for j in range(16)]
+
+
+def _blocks32_quad(size, qs_at, scales, table):
+    """Body for 4 consecutive 32-value blocks of `size` bytes, qs at qs_at (xq4 layout)."""
+    def body(e):
+        s = e.mul(scales(e, size, 4), e.xd(4))
+        q = e.cat(*[e.bytes(j * size + qs_at, 16) for j in range(4)])
+        _quad(e, q, table, 0, e.pick(s, _quad4(e, 0)))
+    return body
+
+
+def _iq4_xs_quad(e):
+    b = e.b
+    lo = b.lshr(e.splat(e.word(4), 8), const(I32, range(0, 32, 4)))
+    hi = b.lshr(e.splat(b.zext(e.word(2, 16), I32), 8), const(I32, range(0, 16, 2)))
+    ls = b.or_(e.band(lo, 15), e.shl(e.band(hi, 3), 4))
+    s = e.mul(e.splat(e.f16(0), 8), b.fsub(e.tofloat(ls), e.fconst(32, 8)), e.xd(8))
+    for h in range(2):                                # sub-blocks 4h..4h + 3: one 64-byte load
+        _quad(e, e.bytes(8 + 64 * h, 64), _IQ4_U8, 128 * h, e.pick(s, _quad4(e, h)))
+
+
+acc_iq4_nl_quad = acc_intrinsic(_blocks32_quad(18, 2, _nl_scales, _IQ4_U8), 128, 16, 72)
+acc_mxfp4_quad = acc_intrinsic(_blocks32_quad(17, 1, _mx_scales, _MXFP4_U8), 128, 16, 68)
+acc_iq4_xs_quad = acc_intrinsic(_iq4_xs_quad, 256, 32, 136)
+
+
+@intrinsic
+def copy16(typingctx, dst, i, src, j):
+    """dst[i:i + 16] = src[j:j + 16] (1-byte items) as one 16-byte move (a loop stays a byte
+    at a time: LLVM cannot rule out that dst and src overlap)."""
+    def codegen(context, b, sig, args):
+        ptr = [b.gep(context.make_array(sig.args[k])(context, b, args[k]).data, [args[k + 1]]) for k in (0, 2)]
+        v16 = ir.VectorType(ir.IntType(8), 16)
+        b.store(b.load(b.bitcast(ptr[1], v16.as_pointer()), align=1), b.bitcast(ptr[0], v16.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.void(dst, i, src, j), codegen
+
+
+@njit(inline="always")
+def quad_bias(qtype):
+    """The offset of the stored levels (+ 128 for IQ4, + 12 for MXFP4: unsigned for vpdpbusd)."""
+    return 12 if qtype == MXFP4 else 128
+
+
+@njit(cache=True, error_model="numpy")
+def prepare_quads(xb, xq, bias):
+    """xb [K / 8 + K / 4] int32 <- lane biases [K / 8] (-bias * the sum of each lane's 8 x
+    codes), then xq4 [K] int8 (the layout above; values past the last whole 128 as in xq)."""
+    K = xq.shape[0]
+    G, n = u64(K // 128), u64(K // 8)
+    x4 = xb[n:n + u64(K // 4)].view(np.int8)
+    for g in range(G):
+        for j in range(u64(4)):
+            copy16(x4, u64(128) * g + u64(16) * j, xq, u64(128) * g + u64(32) * j)
+            copy16(x4, u64(128) * g + u64(64) + u64(16) * j, xq, u64(128) * g + u64(32) * j + u64(16))
+    for i in range(G * u64(128), u64(K)):
+        x4[i] = xq[i]
+    for L in range(G * u64(16)):                     # lane L: xq4 bytes 4l.., 64 + 4l.. of its 128
+        o = L // u64(16) * u64(128) + L % u64(16) * u64(4)
+        s = np.int32(0)
+        for i in range(u64(4)):
+            s += np.int32(x4[o + i]) + np.int32(x4[o + u64(64) + i])
+        xb[L] = -bias * s
+
+
 # ---------------------------------------------------------------- integer dots (rows)
 # The 32-value types: 4 blocks per call, the last 1-3 blocks of each row one at a time in
 # loops of their own (a branch in the row loop costs a refcount pair per row).
 
+@njit(inline="always")
+def quads(xb, K):
+    """prepare_quads' xq4 and lane biases in xb."""
+    return xb[K // 8:K // 8 + K // 4].view(np.int8), xb
+
+
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_iq4_nl_i8(out, w, xq, xd, xs):
+def dot_rows_iq4_nl_i8(out, w, xq, xd, xs, xb):
     nb = w.shape[1] // 18
+    xq4, xl = quads(xb, 32 * nb)
     for r in range(w.shape[0]):
         row, acc = w[r], lanes16()
         for b in range(0, nb - 3, 4):
-            acc_iq4_nl4(acc, row, b * 18, xq, xd, xs, b)
+            acc_iq4_nl_quad(acc, row, b * 18, xq4, xd, xl, b // 4)
         out[r] = sum16(acc)
     for b in range(nb // 4 * 4, nb):
         for r in range(w.shape[0]):
@@ -228,12 +326,13 @@ def dot_rows_iq4_nl_i8(out, w, xq, xd, xs):
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_mxfp4_i8(out, w, xq, xd, xs):
+def dot_rows_mxfp4_i8(out, w, xq, xd, xs, xb):
     nb = w.shape[1] // 17
+    xq4, xl = quads(xb, 32 * nb)
     for r in range(w.shape[0]):
         row, acc = w[r], lanes16()
         for b in range(0, nb - 3, 4):
-            acc_mxfp44(acc, row, b * 17, xq, xd, xs, b)
+            acc_mxfp4_quad(acc, row, b * 17, xq4, xd, xl, b // 4)
         out[r] = sum16(acc)
     for b in range(nb // 4 * 4, nb):
         for r in range(w.shape[0]):
@@ -243,11 +342,12 @@ def dot_rows_mxfp4_i8(out, w, xq, xd, xs):
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def dot_rows_iq4_xs_i8(out, w, xq, xd, xs):
+def dot_rows_iq4_xs_i8(out, w, xq, xd, xs, xb):
+    xq4, xl = quads(xb, w.shape[1] // 136 * 256)
     for r in range(w.shape[0]):
         row, acc = w[r], lanes16()
         for b in range(row.shape[0] // 136):
-            acc_iq4_xs(acc, row, b * 136, xq, xd, xs, b)
+            acc_iq4_xs_quad(acc, row, b * 136, xq4, xd, xl, b)
         out[r] = sum16(acc)
 
 
@@ -274,10 +374,11 @@ def dot_rows_iq4(qtype, out, w, x, xsum):
 
 
 @njit(cache=True, error_model="numpy")
-def dot_rows_iq4_i8(qtype, out, w, xq, xd, xs):
+def dot_rows_iq4_i8(qtype, out, w, xq, xd, xs, xb):
+    """xb: prepare_quads' record."""
     if qtype == IQ4_XS:
-        dot_rows_iq4_xs_i8(out, w, xq, xd, xs)
+        dot_rows_iq4_xs_i8(out, w, xq, xd, xs, xb)
     elif qtype == MXFP4:
-        dot_rows_mxfp4_i8(out, w, xq, xd, xs)
+        dot_rows_mxfp4_i8(out, w, xq, xd, xs, xb)
     elif qtype == IQ4_NL:
-        dot_rows_iq4_nl_i8(out, w, xq, xd, xs)
+        dot_rows_iq4_nl_i8(out, w, xq, xd, xs, xb)

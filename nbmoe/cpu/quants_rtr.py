@@ -49,7 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
-from .quants_int8 import _dot4_init, dot_rows_b32
+from .quants_int8 import _dot4_init, dot_rows_i8
 from .simd import PREFETCH
 
 GROUP = 16
@@ -351,7 +351,7 @@ def acc_group(typingctx, qt, acc, w, o, B, xq, xd, xs, xbb, blk):
 @njit(inline="always")
 def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x; xb holds the
-    plain kernel's lane biases [K / 4] and then the block biases [B] (prepare_blocks)."""
+    plain kernel's x extras and then the block biases [B] (prepare_blocks)."""
     size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
     rb = w.strides[0]
     B = w.shape[1] // size
@@ -364,7 +364,7 @@ def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
         for j in range(GROUP):
             out[g * GROUP + j] = acc[j]
     if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
-        dot_rows_b32(qt, out[G * GROUP:], w[G * GROUP:], xq, xd, xb, xds)
+        dot_rows_i8(qt, out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)

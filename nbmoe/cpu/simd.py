@@ -100,6 +100,10 @@ class Emit:
         """<n x float>: this block's n x sums (xs: per 32 values, or sums16's per 16)."""
         return self._load(self._xs, 0, vec(F32, n))
 
+    def xsi(self, n, off=0):
+        """<n x i32>: this block's words off..off + n of xs when it holds int32 (lane biases)."""
+        return self._load(self._xs, off, vec(I32, n))
+
     # -- vector ops
     def splat(self, v, n):
         ty = vec(v.type, n)
@@ -183,18 +187,20 @@ class Emit:
                for i in range(0, n, width)]
         return self.cat(*out)
 
-    def dot(self, codes, x):
-        """<n/4 x i32>: lane k = sum over i < 4 of codes[4k + i] (unsigned) * x[4k + i] (signed)."""
+    def dot(self, codes, x, init=None):
+        """<n/4 x i32>: lane k = init[k] + sum over i < 4 of codes[4k + i] (unsigned) * x[4k + i]
+        (signed); init 0 if None."""
         n = codes.type.count
         v32 = vec(I32, n // 4)
+        init = ir.Constant(v32, None) if init is None else init
         if HAS_VNNI and n in (32, 64):
             name = "llvm.x86.avx512.vpdpbusd.512" if n == 64 else "llvm.x86.avx512.vpdpbusd.256"
             fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(v32, [v32] * 3), name)
-            return self.b.call(fn, [ir.Constant(v32, None), self.b.bitcast(codes, v32), self.b.bitcast(x, v32)])
+            return self.b.call(fn, [init, self.b.bitcast(codes, v32), self.b.bitcast(x, v32)])
         p = self.b.mul(self.b.zext(codes, vec(I32, n)), self.b.sext(x, vec(I32, n)))
         for m in (n // 2, n // 4):  # pairwise sums, the shape of pmaddwd
             p = self.b.add(self.pick(p, range(0, 2 * m, 2)), self.pick(p, range(1, 2 * m, 2)))
-        return p
+        return self.b.add(p, init)
 
     def prefetch(self, dist, size):
         """Ask for the cache lines of bytes dist..dist + size ahead of the block (none if dist = 0)."""
