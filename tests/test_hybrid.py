@@ -25,6 +25,15 @@ def model(tiny_model):
     return tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0")
 
 
+@pytest.fixture(scope="module")
+def whole(model, tiny_model):
+    """The model for whole runs whose placement needs no second layer: in the simulator one
+    layer (every layer costs seconds there), on a real GPU the two-layer model."""
+    if not cuda_setup.SIM:
+        return model
+    return tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0")
+
+
 @pytest.fixture(autouse=True)
 def exact(monkeypatch):
     """Both backends on their exact float paths (their int8 paths round x differently)."""
@@ -52,7 +61,9 @@ def close(a, b, rel=2e-4):
     pytest.param(dict(n_gpu_layers=99, n_cpu_moe=1),         # experts of layer 0 in RAM
                  marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: real GPU only")),
 ])
-def test_hybrid_equals_cpu(model, placement):
+def test_hybrid_equals_cpu(model, whole, placement):
+    if placement["n_gpu_layers"] != 2:     # -ngl 2 needs both layers: one on the CPU
+        model = whole
     llm = load(model, **placement)
     assert "CUDA0" in llm.backends
     got = llm.eval(PROMPT)
@@ -98,7 +109,9 @@ def two_gpus(monkeypatch):
     pytest.param(dict(n_gpu_layers=99, override_tensors=["exps=CPU", r"blk\.1\.=CUDA1"]),
                  marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: one case in the simulator")),
 ])
-def test_two_gpus_equal_cpu(model, two_gpus, placement):
+def test_two_gpus_equal_cpu(model, whole, two_gpus, placement):
+    if "exps=CUDA1" in placement["override_tensors"]:
+        model = whole
     llm = load(model, **placement)
     assert {"CUDA0", "CUDA1"} <= set(llm.backends)
     assert close(llm.eval(PROMPT), cpu_logits(model, PROMPT))
@@ -161,20 +174,21 @@ def test_offload_policy_switches(model):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_offloaded_experts_match_cpu(model, monkeypatch, prefetch):
+def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
     """A batch over the expert threshold: chosen experts are uploaded and run on the GPU
     (threshold patched from 32 rows to 2, so 4 tokens are enough in the simulator). With
     prefetch (pairs per expert patched down to 1) every expert tensor is uploaded whole on the
-    copy stream, double-buffered: 6 tensors through 2 slots, so slots are reused."""
+    copy stream, double-buffered: 3 tensors a layer through 2 slots, so slots are reused."""
     from nbmoe import backend_cuda
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
     monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1 if prefetch else 10**6)
+    model = whole
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
     ids = [3, 44, 100, 7]
     assert close(llm.eval(ids), cpu_logits(model, ids))
     assert {n.cause for n in llm.plan(4, 4).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
-    if prefetch:     # 2 layers x (gate, up, down), each uploaded whole once
-        assert llm.backends["CUDA0"].prefetched_uploads == MOE["n_layer"] * 3
+    if prefetch:     # per layer gate, up, down, each uploaded whole once
+        assert llm.backends["CUDA0"].prefetched_uploads == llm.cfg.n_layer * 3
     else:
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 

@@ -213,7 +213,7 @@ def decode_groups(qt, out, w):
     for g in range(G):
         for b in range(B):
             decode_group_block(qt, out[g * GROUP:(g + 1) * GROUP], out.shape[1], w, g * GROUP * rb, B, b)
-    dequant_rows(qt, out[G * GROUP:], w[G * GROUP:])
+    dequant_rows(np.int64(qt), out[G * GROUP:], w[G * GROUP:])   # run-time qt: see dot_groups
 
 
 @njit(cache=True, error_model="numpy")
@@ -364,7 +364,9 @@ def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
         for j in range(GROUP):
             out[g * GROUP + j] = acc[j]
     if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
-        dot_rows_i8(qt, out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xds)
+        # qt as a run-time int: the tail shares the all-type kernel compiled for the
+        # plain rows (a constant qt compiles a copy of the whole type dispatch per type)
+        dot_rows_i8(np.int64(qt), out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
