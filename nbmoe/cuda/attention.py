@@ -88,6 +88,13 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 # cache 3.63 / 3.55 / 3.46 ms.
 
 @device_fn
+def key_range(pos0, t, window):
+    """The keys [lo, hi) that query t of a batch starting at position pos0 sees."""
+    hi = pos0 + t + 1
+    return (max(0, hi - window) if window > 0 else 0), hi
+
+
+@device_fn
 def active_splits(n, P, min_keys):
     if min_keys == 0:
         return P
@@ -147,8 +154,7 @@ def _attention_kernel(Dh):
         hh = min(h, H - 1)
         g = hh // G
         p = cuda.blockIdx.z
-        hi = pos[0] + t + 1
-        lo = max(0, hi - window) if window > 0 else 0
+        lo, hi = key_range(pos[0], t, window)
         Pa = active_splits(hi - lo, P, min_keys)
         if p >= Pa:
             return                                 # the whole block: its split has no keys
@@ -212,8 +218,8 @@ def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys):
     if idx >= T * H * Dh:
         return
     t = idx // (H * Dh)
-    hi = pos[0] + t + 1
-    Pa = active_splits(hi - (max(0, hi - window) if window > 0 else 0), P, min_keys)
+    lo, hi = key_range(pos[0], t, window)
+    Pa = active_splits(hi - lo, P, min_keys)
     if Pa == 1:
         return                                     # attention wrote out itself
     rem = idx - t * H * Dh
