@@ -56,8 +56,13 @@ class Backend:
         from .fusion import find_groups
         T = graph.n_tokens
         self._groups = (find_groups(graph.nodes, self.name, T, lambda n: self.vec_ok(n, T),
-                                    self.max_vec_t, self.fuse_kinds, self._weight_type)
+                                    self.max_vec_t, self.fuse_kinds, self._weight_type,
+                                    self.route_ok)
                         if self.fuse_kinds else {})
+
+    def route_ok(self, norm, router, topk):
+        """Whether this backend binds RMS_NORM + router + TOPK_MOE as one (fusion's norm_route)."""
+        return False
 
     def _weight_type(self, node):
         return self.weight(node.weight)[1] if node.weight else None

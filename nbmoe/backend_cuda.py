@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from . import fusion
 from .backend import Backend, _act, _labelled, _rows2d
 from .errors import NbmoeError
 
@@ -272,15 +273,18 @@ class CUDABackend(Backend):
     # Binding follows run order, and a node's closure reads a small dict (`cell`) at run time,
     # so the node bound next may still change what it does (a recorded graph sees the result):
     #   ADD x = x + y, then RMS_NORM of x: one rms_norm(add=y) launch, the norm's step is empty;
-    #   RMS_NORM, then an 8-bit product of its output: the norm also writes the 8-bit x;
-    #   products of the same input in a row (q, k, v; gate, up): one quantization of x.
+    #   RMS_NORM or attention, then an 8-bit product of its output: the norm (attention) also
+    #   writes the 8-bit x;
+    #   products of the same input in a row (q, k, v; gate, up): one quantization of x; the
+    #   experts' gate / up after norm_route, which writes their 8-bit x.
     # The input is unchanged in between: any writer would have been bound in between, and a
     # copy into it would mean it was not valid here before. `_last` describes the node bound
     # last on this GPU, with its buffer table (so nothing fuses across plans): ("add", node,
-    # buf, cell), ("norm", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
+    # buf, cell), ("writer", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
     # Longer runs (fusion.find_groups, see Backend.prepare) bind as one: the members after
-    # the first carry the record of the node before the group.
-    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "rope_attn")
+    # the first carry the record of the node before the group (or the one the group's binder
+    # leaves).
+    fuse_kinds = fusion.KINDS + fusion.ADD_KINDS
     _last = None
 
     def vec_ok(self, node, n_tokens):
@@ -322,7 +326,7 @@ class CUDABackend(Backend):
             lo, hi = node.params["src_rows"]
             x = x[lo:hi]
         rows = x.size // n
-        self._last = ("norm", (id(buf), node.out), cell, rows, n)
+        self._last = ("writer", (id(buf), node.out), cell, rows, n)
 
         def norm():
             x8 = cell.get("x8")
@@ -342,8 +346,8 @@ class CUDABackend(Backend):
         prev = self._prev
         if prev and prev[0] == "x8" and prev[1:] == (key, rows, K):
             return True                        # the product before quantized this x
-        if prev and prev[0] == "norm" and prev[1] == key and prev[3:] == (rows, K) and K % 32 == 0:
-            prev[2]["x8"] = True               # the norm writes x in 8 bits too
+        if prev and prev[0] == "writer" and prev[1] == key and prev[3:] == (rows, K) and K % 32 == 0:
+            prev[2]["x8"] = True               # the norm (attention) writes x in 8 bits too
             return True
         return False
 
@@ -403,15 +407,55 @@ class CUDABackend(Backend):
         return [None, None, _labelled(run, "MUL_MAT_ID+GLU")]
 
     def _bind_down_combine(self, members, buf, state):
-        down, combine = members
+        down, combine = members[:2]
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, K = buf[combine.out], buf[combine.srcs[1]], x.shape[2]
+        add = len(members) == 3                  # down_combine_add: x += the weighted sum
+        if add:
+            out = buf[members[2].out]
         x8, fused = self._x8(down, buf, qtype, x), self.fused
 
         def run():
             xq, xds = x8()
-            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K)
+            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, accumulate=add)
+        if add:
+            return [None, None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE+ADD")]
         return [None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE")]
+
+    _bind_down_combine_add = _bind_down_combine
+
+    def _bind_product_add(self, members, buf, state):
+        """x += x_in @ W^T: the product accumulates into the residual stream (no ADD launch)."""
+        product, add = members
+        _, w, x, qtype = self.mul_mat_operands(product, buf)
+        out, mm = _rows2d(buf[add.out]), self.mm
+        ready = self._x_ready(product, buf, qtype, x.shape[0], x.shape[1])
+        self._last = None
+        return [None, _labelled(lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready, accumulate=True),
+                                "MUL_MAT+ADD")]
+
+    def route_ok(self, norm, router, topk):
+        if router.weight not in self.resident:
+            return False
+        t = self.tensors[router.weight]
+        return self.fused.route_supported(int(t.ggml_type), int(t.ne[0]), int(t.ne[1]),
+                                          int(topk.params["k"]))
+
+    def _bind_norm_route(self, members, buf, state):
+        norm, router, topk = members
+        wn, eps = self.vector(norm.weight), norm.params["eps"]
+        x, h = _rows2d(buf[norm.srcs[0]]), _rows2d(buf[norm.out])
+        wr, wtype = self.weight(router.weight)
+        logits = _rows2d(buf[router.out])
+        wts, ids = buf[topk.out], buf[topk.params["also_writes"][0]]
+        D, mm = x.shape[1], self.mm
+        flag, fused = topk.params["norm"], self.fused
+        self._last = ("x8", (id(buf), norm.out), 1, D)   # the experts' products: h in 8 bits
+
+        def run():
+            xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
+            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag)
+        return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
 
     def _bind_rope_attn(self, members, buf, state):
         attn_node, rope = members[-1], members[-2]
@@ -422,14 +466,18 @@ class CUDABackend(Backend):
         layer = attn_node.params["layer"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         p, a = rope.params, attn_node.params
-        fused, attn = self.fused, self.attn
+        fused, attn, mm, cell = self.fused, self.attn, self.mm, {}
+        T, H, Dh = q.shape
+        if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
+            self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
 
         def norm_rope_store():
             fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"], p["base"],
                                   p["neox"], p["scale"])
 
         def attention():
-            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"])
+            xq, xds = mm.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
+            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds)
         return ([None] * (len(members) - 2) + [_labelled(norm_rope_store, "QK_NORM+ROPE+KV_STORE")]
                 + [_labelled(attention, "ATTN")])
 

@@ -8,6 +8,10 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   glu           MUL_MAT gate, MUL_MAT up (one input), GLU of the two              T = 1
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
+  down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
+  product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
+  norm_route    RMS_NORM x -> h, the router MUL_MAT of h, TOPK_MOE of it          T = 1
+                (route_ok(norm, router, topk): the backend's kernel takes them)
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
   attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
                 ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU)
@@ -26,20 +30,23 @@ ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 # NBMOE_NO_BLOCKS=1 keeps the block kinds off (the per-node groups stay): A/B of blocks.py.
 BLOCKS = os.environ.get("NBMOE_NO_BLOCKS", "") != "1"
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
+# Kinds a backend offers beyond KINDS (the CUDA backend's; see backend_cuda.fuse_kinds).
+ADD_KINDS = ("down_combine_add", "product_add", "norm_route")
 BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 
-def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None):
+def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None,
+                route_ok=lambda norm, router, topk: False):
     """{id(node): (kind, members)} for the nodes of `backend`. vec_ok(node): the node's
     product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit;
     wtype(node): its weight's type as the backend stores it (the products of one group share
-    it: a fused kernel takes one type)."""
+    it: a fused kernel takes one type); route_ok: whether a norm_route group can take these."""
     groups, i = {}, 0
     blocks = BLOCKS and n_tokens == 1 and any(k in kinds for k in BLOCK_KINDS)
     while ENABLED and i < len(nodes):
         found = _match_block(nodes, i, backend, vec_ok, wtype) if blocks else None
         if found is None:
-            found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype)
+            found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype, kinds, route_ok)
         if found is None or found[0] not in kinds:
             i += 1
             continue
@@ -54,7 +61,7 @@ def _product(node, op, backend, vec_ok):
     return (node.op == op and node.backend == backend and node.cause == "wgt" and vec_ok(node))
 
 
-def _match(nodes, i, backend, T, vec_ok, max_t, wtype):
+def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=None):
     def at(j):
         return nodes[i + j] if i + j < len(nodes) else None
 
@@ -62,9 +69,18 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype):
         return (b is not None and _product(b, op, backend, vec_ok) and b.srcs == a.srcs
                 and wtype(b) == wtype(a))
 
+    def residual_add(n, y):   # n: ADD x = x + y on this backend
+        return (n is not None and n.op == "ADD" and n.backend == backend and len(n.srcs) == 2
+                and n.srcs[1] == y and n.out == n.srcs[0] != y)
+
     n0, n1, n2 = at(0), at(1), at(2)
     if n0 is None or n0.backend != backend:
         return None
+    if ("norm_route" in kinds and T == 1 and n2 is not None and n0.op == "RMS_NORM"
+            and "src_rows" not in n0.params and n1.op == "MUL_MAT" and n1.srcs == (n0.out,)
+            and n2.op == "TOPK_MOE" and n2.srcs == (n1.out,) and n1.cause == "wgt"
+            and n1.backend == n2.backend == backend and route_ok(n0, n1, n2)):
+        return "norm_route", [n0, n1, n2]
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
         if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
@@ -77,10 +93,16 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype):
             run.append(at(len(run)))
         if len(run) >= 2:
             return "products", run
-    # expert down product and the weighted sum
+    # expert down product and the weighted sum [and the residual add]
     if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, vec_ok)
             and n1.op == "MOE_COMBINE" and n1.backend == backend and n1.srcs[0] == n0.out):
+        if "down_combine_add" in kinds and residual_add(n2, n1.out):
+            return "down_combine_add", [n0, n1, n2]
         return "down_combine", [n0, n1]
+    # a product added to the residual stream (attention output, dense FFN down)
+    if ("product_add" in kinds and T <= max_t and _product(n0, "MUL_MAT", backend, vec_ok)
+            and residual_add(n1, n0.out)):
+        return "product_add", [n0, n1]
     return _match_rope_attn(nodes, i, backend)
 
 

@@ -199,10 +199,11 @@ DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim
 @pytest.mark.parametrize("shape", ["moe", "dense"])
 def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
     """On the int8 path the CUDA backend fuses decode launches: residual add + norm in one
-    launch, the norm writing the 8-bit x of the next product, products of one input
-    quantizing it once (backend_cuda), and the runs of nodes of fusion.find_groups (q/k/v in
-    one launch, gate/up/GLU, expert down + combine, QK-norm + RoPE + KV store). The logits of
-    a prompt and of one-token steps equal those of the plain binders, bit for bit."""
+    launch, the norm (attention) writing the 8-bit x of the next product, products of one
+    input quantizing it once (backend_cuda), and the runs of nodes of fusion.find_groups (q/k/v
+    in one launch, gate/up/GLU, expert down + combine + residual add, a product + residual
+    add, QK-norm + RoPE + KV store, norm + router + top-k). The logits of a prompt and of
+    one-token steps equal those of the plain binders, bit for bit."""
     from nbmoe import backend_cuda, fusion
     from nbmoe.backend import Backend
     from nbmoe.cuda import matmul as cuda_matmul
@@ -225,7 +226,8 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
         return out, groups, llm
     fused, groups, llm = run()
     assert sum(flags) >= 1                           # q, k, v from the norm's 8-bit x
-    want = {"products", "rope_attn"} | ({"glu_id", "down_combine"} if shape == "moe" else {"glu"})
+    want = ({"products", "rope_attn", "product_add"}
+            | ({"norm_route", "glu_id", "down_combine_add"} if shape == "moe" else {"glu"}))
     assert groups == want                            # the one-token plan's groups
     labels = {lab for _, lab in llm.plan(1, 1).labels}
     assert "GRAPH" in labels or "QK_NORM+ROPE+KV_STORE" in labels

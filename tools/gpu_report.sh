@@ -54,7 +54,9 @@ for s in $steps; do case $s in
   kernels) step kernels 300 python -m nbmoe.cuda.matmul ;;
   tiles) step tiles 300 python tools/cuda_tile_sweep.py ;;
   profile) command -v nsys >/dev/null || { echo "no nsys"; continue; }
-           step profile 300 nsys profile -o /tmp/nbmoe-tg --force-overwrite true --stats=true \
-             python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 32 -r 1 ;;
+           # kernels inside the recorded graphs, one by one (--cuda-graph-trace=node)
+           step profile 300 nsys profile -o /tmp/nbmoe-tg --force-overwrite true \
+             --cuda-graph-trace=node --stats=true \
+             python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 32 -r 1 --no-bandwidth ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done

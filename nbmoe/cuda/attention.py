@@ -15,6 +15,7 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, warp_max, warp_sum
+from .matmul import quantize_lane, unused_x8
 
 f32 = np.float32
 NEG_INF = f32(-np.inf)
@@ -116,6 +117,9 @@ def active_splits(n, P, min_keys):
 # Pa == 1 it writes out.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
+# quant (Dh a multiple of 32): out is also written in 8 bits (xq, xds as matmul.quantize_x,
+# rows of H * Dh) for the output projection: lane l's value of dims 32c .. 32c + 31 is dim
+# 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge kernel likewise).
 
 def _attention_kernel(Dh):
     DPL = (Dh + 31) // 32
@@ -143,7 +147,7 @@ def _attention_kernel(Dh):
 
     @cuda.jit
     def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window,
-                         min_keys):
+                         min_keys, xq, xds, quant):
         H = q.shape[1]
         Hkv = k_cache.shape[1]
         G = H // Hkv
@@ -194,6 +198,8 @@ def _attention_kernel(Dh):
                     d = lane + 32 * c
                     if d < Dh:
                         out[t, h, d] = acc[c] * inv
+                    if quant:
+                        quantize_lane(xq, xds, ((t * H + h) * Dh) // 32 + c, True, acc[c] * inv, lane)
             else:
                 for c in range(DPL):
                     d = lane + 32 * c
@@ -212,7 +218,7 @@ def _attention_kernel(Dh):
 # l = 0 and weighs 0. One thread per output value. With one split in use there is nothing to do.
 
 @cuda.jit
-def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys):
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys, xq, xds, quant):
     T, H, Dh = out.shape
     idx = cuda.grid(1)
     if idx >= T * H * Dh:
@@ -235,6 +241,8 @@ def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys):
         num += f * part_acc[p, t, h, d]
         den += f * part_ml[p, t, h, 1]
     out[t, h, d] = num / den
+    if quant:                                      # a warp: one 32-block of out (Dh % 32 == 0)
+        quantize_lane(xq, xds, idx // 32, True, num / den, cuda.threadIdx.x % 32)
 
 
 def _buffer(name, shape):
@@ -247,7 +255,7 @@ def _buffer(name, shape):
     return v
 
 
-def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
+def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
@@ -255,6 +263,8 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
     query to its `window` most recent positions (itself included). The number of key splits
     follows the cache's capacity, not the current length, so the launch is the same for every
     token (a CUDA graph can replay it); splits past the current keys find none and weigh 0.
+    xq, xds (matmul.x8_buffers of T rows of H * Dh; Dh % 32 == 0, T <= SPLIT_MAX_T): out is
+    also written there in 8 bits.
     """
     T, H, Dh = q.shape
     if T == 0:
@@ -273,15 +283,20 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
     grid = (T, (H + hb - 1) // hb, P)
     kern = _attention_kernel(Dh)
     kc, vc, pos = k_cache, v_cache, positions(pos, T)         # cache: uint16 f16 bits, ld_f16
+    quant = xq is not None
+    if quant and (Dh % 32 or T > SPLIT_MAX_T):
+        raise ValueError("attention: 8-bit output needs Dh % 32 == 0 and T <= SPLIT_MAX_T")
+    if not quant:
+        xq, xds = unused_x8()
     if P == 1:
         dummy = _buffer("dummy", (1, 1, 1, 2))
         kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, pos, f32(scale), int(window),
-                                     MIN_SPLIT_KEYS)
+                                     MIN_SPLIT_KEYS, xq, xds, quant)
         return
     part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))       # splits p < P used
     part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
     kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, pos, f32(scale), int(window),
-                                 MIN_SPLIT_KEYS)
+                                 MIN_SPLIT_KEYS, xq, xds, quant)
     m = T * H * Dh
     merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P, pos, int(window),
-                                                       MIN_SPLIT_KEYS)
+                                                       MIN_SPLIT_KEYS, xq, xds, quant)

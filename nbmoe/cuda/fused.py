@@ -13,6 +13,8 @@ values in the same order as the separate kernels (bit-identical results; tests c
   down_combine_q8  sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): the down product of every
                    chosen expert of a token and the weighted sum, no [T, A, D] round trip
   norm_rope_store  per head: [RMS norm], RoPE of q and k, and k, v written to the f16 cache
+  norm_route       RMS norm of the residual, the router product and the top-k: a MoE
+                   layer's routing in one launch (the last block to finish routes)
 
 Letters as in matmul.py: T tokens, M rows, K values a row, A chosen experts, X input rows
 per token (1 or A), RB bytes a weight row; x is in 8 bits (xq words, xds (d, s) per block).
@@ -26,9 +28,12 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, warp_sum
-from .matmul import MMV_WARPS, _cached, pair_row
+from .matmul import (MMV_WARPS, _cached, _split_k, dot8, pair_row, quantize_word, quantizes_x,
+                     unit_cols)
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
-from .ops import _gelu, _silu
+from .moe import GATING_SOFTMAX, experts_per_lane, topk_warp_fn
+from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu
+from .quants import qtype_info
 
 f32 = np.float32
 i32 = np.int32
@@ -153,7 +158,7 @@ def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
 # dots expert a's row (all A rows in flight at once: a warp walking the A experts in turn
 # was latency-bound), the block's first thread adds the A results from shared memory.
 
-def _down_combine_kernel(qtype, V):
+def _down_combine_kernel(qtype, V, ACC):
     row_dot = row_dot_fn(qtype, V)
 
     def build():
@@ -169,6 +174,7 @@ def _down_combine_kernel(qtype, V):
             acc = cuda.local.array(1, f32)
             isum = cuda.local.array(1, i32)
             acc[0] = f32(0.0)
+            res = out[t, r] if ACC else f32(0.0)   # loaded early: off the critical path
             row_dot(acc, isum, w, w, (ids[t, a] * M + r) * RB, xq, xds, t * A + a, t * A + a, K, lane, 0)
             y = warp_sum(acc[0])
             if lane == 0:
@@ -178,19 +184,169 @@ def _down_combine_kernel(qtype, V):
                 acc = wts[t, 0] * ys[0]
                 for q in range(1, A):
                     acc += wts[t, q] * ys[q]
-                out[t, r] = acc
+                out[t, r] = acc + res if ACC else acc
         return down_combine_q8_kernel
-    return _cached(("down_combine_q8", int(qtype), V, chunk_units(qtype)), build)
+    return _cached(("down_combine_q8", int(qtype), V, ACC, chunk_units(qtype)), build)
 
 
-def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0):
+def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=False):
     """out [T, M] = sum_a wts[t, a] * dequant(w[ids[t, a]]) @ x[t, a] (x [T, A, K] in 8 bits);
-    A <= 32."""
+    A <= 32. accumulate: out += that sum (the residual add fused in)."""
     T, M = out.shape
     A = ids.shape[1]
     if A > 32:
         raise ValueError("down_combine_q8: more than 32 chosen experts")
-    _down_combine_kernel(qtype, chunks_in_flight(qtype, K))[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
+    _down_combine_kernel(qtype, chunks_in_flight(qtype, K), bool(accumulate))[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
+
+
+# ---------------------------------------------------------------- norm_route
+# One token's MoE routing in one launch (T = 1), for a router of a float type (the path
+# matmul takes for it, mul_mat_vec_kernel):
+#   h = x / sqrt(mean(x^2) + eps) * wn,  logits = h @ Wr^T,  ids, weights = top-k of logits,
+# and h also in 8 bits (xq, xds) for the experts' products. Grid: ceil(E / (8 / S)) blocks of
+# 256 threads = 8 warps, S warps an expert row (matmul._split_k's S). Each block computes the
+# norm itself into shared memory (x is a few KB, re-read from L2 by every block), then its
+# warps dot their router rows with h there; block 0 also writes h and its 8-bit form. Each
+# block then counts itself done on an atomic counter, after a memory fence that makes its
+# logits visible to the other blocks; the block that counts last routes on one warp
+# (moe.topk_warp) and resets the counter for the next launch (CUDA graph replays). No block
+# reads the logits before they are all written, so no SM holds a stale copy of them.
+# Sum orders: the norm's is ops.rms_norm_words' (nth threads, word j = tid + k * nth, warps
+# added in order; the warps past nth add zeros), the dot's mul_mat_vec_kernel's, the top-k's
+# topk_route's: the separate launches' results, bit for bit.
+ROUTE_THREADS = 256
+ROUTE_MAX_D = 8192            # h in shared memory (32 KB)
+
+
+def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
+    t_ = qtype_info(wtype)
+    dec, split, tail = t_.dec, t_.split, t_.block == 1
+    topk_warp = topk_warp_fn(EPL)
+    VALS = 4 * WPT if WORDS else 8
+    RPB = (ROUTE_THREADS // 32) // S          # router rows a block
+
+    def build():
+        @cuda.jit
+        def norm_route_kernel(h, xq, xds, x, wn, eps, nth, wr, RB, logits, ids, weights,
+                              counter, norm, gating):
+            hs = cuda.shared.array(ROUTE_MAX_D, f32)
+            sh = cuda.shared.array(32, f32)
+            part = cuda.shared.array(8, f32)
+            last = cuda.shared.array(1, i32)
+            tid = cuda.threadIdx.x
+            lane = tid % 32
+            wy = tid // 32
+            n = x.shape[1]
+            nw = n // 4
+            vals = cuda.local.array(VALS, f32)
+            # the norm: rms_norm_words' layout (WORDS) or rms_norm_kernel's (rows <= 256 values:
+            # one warp, thread tid holding values tid, tid + 32, ...)
+            ss = f32(0.0)
+            if WORDS:
+                for k in range(WPT):
+                    j = tid + k * nth
+                    for i in range(4):
+                        v = f32(0.0)
+                        if tid < nth and j < nw:
+                            v = x[0, 4 * j + i]
+                        vals[4 * k + i] = v
+                        ss += v * v
+            else:
+                for k in range(8):
+                    v = f32(0.0)
+                    if tid < 32 and tid + 32 * k < n:
+                        v = x[0, tid + 32 * k]
+                    vals[k] = v
+                    ss += v * v
+            ss = _block_sum(ss, sh)
+            scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
+            if WORDS:
+                for k in range(WPT):
+                    j = tid + k * nth
+                    for i in range(4):
+                        if tid < nth and j < nw:
+                            hs[4 * j + i] = vals[4 * k + i] * scale * wn[4 * j + i]
+            else:
+                for k in range(8):
+                    if tid < 32 and tid + 32 * k < n:
+                        hs[tid + 32 * k] = vals[k] * scale * wn[tid + 32 * k]
+            cuda.syncthreads()                     # h complete in shared memory
+            if cuda.blockIdx.x == 0:               # h and its 8-bit form to global memory
+                for i in range(tid, n, ROUTE_THREADS):
+                    h[0, i] = hs[i]
+                for j0 in range(0, nw, ROUTE_THREADS):
+                    j = min(j0 + tid, nw - 1)      # lanes past the row: the last word, not written
+                    quantize_word(xq, xds, j, j0 + tid < nw, hs[4 * j], hs[4 * j + 1],
+                                  hs[4 * j + 2], hs[4 * j + 3])
+            E = logits.shape[1]
+            r = cuda.blockIdx.x * RPB + wy // S
+            sl = wy % S
+            base = min(r, E - 1) * RB
+            acc = f32(0.0)
+            for u in range(lane + 32 * sl, (n + 7) // 8, 32 * S):
+                b = u >> 2
+                uu = u & 3
+                v0, v1, v2, v3, v4, v5, v6, v7 = dec(wr, base, b, uu, n)
+                i0, i1 = unit_cols(b, uu, split)
+                acc += dot8(v0, v1, v2, v3, v4, v5, v6, v7, hs, 0, i0, i1, n, tail)
+            tot = warp_sum(acc)
+            if S == 1:
+                if lane == 0 and r < E:
+                    logits[0, r] = tot
+            else:
+                if lane == 0:
+                    part[wy] = tot
+                cuda.syncthreads()
+                if sl == 0 and lane == 0 and r < E:
+                    tot = part[wy]
+                    for q in range(1, S):
+                        tot += part[wy + q]
+                    logits[0, r] = tot
+            cuda.threadfence()                     # this block's logits, seen by all
+            cuda.syncthreads()
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                if wy == 0:
+                    lv = cuda.local.array(EPL, f32)
+                    taken = cuda.local.array(EPL, i32)
+                    topk_warp(ids, weights, logits, 0, True, lane, lv, taken, norm, gating)
+                if tid == 0:
+                    counter[0] = 0
+        return norm_route_kernel
+    return _cached(("norm_route", int(wtype), WORDS, WPT, S, EPL), build)
+
+
+_counters = {}
+
+
+def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0):
+    """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
+    (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
+    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating)."""
+    D, E = x.shape[1], logits.shape[1]
+    if x.shape[0] != 1 or D % 32 or D > ROUTE_MAX_D or ids.shape[1] > min(32, E):
+        raise ValueError("norm_route: one token, D % 32 == 0, D <= ROUTE_MAX_D, A <= min(32, E)")
+    words = D > WORDS_MIN_N                                     # as ops.rms_norm
+    nth = 32 * min(NORM_THREADS // 32, (D // 4 + 31) // 32)
+    wpt = 1
+    while wpt * nth < D // 4:
+        wpt *= 2
+    S = _split_k(E, D)
+    key = device_id()
+    if key not in _counters:
+        _counters[key] = cuda.to_device(np.zeros(1, np.int32))
+    rpb = (ROUTE_THREADS // 32) // S
+    _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E))[(E + rpb - 1) // rpb, ROUTE_THREADS, stream](
+        h, xq, xds, x, wn, float(eps), nth, wr, wr.shape[1], logits, ids, weights,
+        _counters[key], bool(norm), GATING_SOFTMAX)
+
+
+def route_supported(wtype, D, E, A):
+    """Whether norm_route takes a router of this type and these sizes (float types only:
+    the other types' routers take matmul's 8-bit path, which norm_route does not repeat)."""
+    return not quantizes_x(wtype, 1, D) and D % 32 == 0 and D <= ROUTE_MAX_D and A <= min(32, E)
 
 
 # ---------------------------------------------------------------- norm_rope_store

@@ -33,7 +33,7 @@ Kernels are built per (type, sizes) by small factories, compiled on first use an
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, device_id, ld_f32, rintf, shfl_xor, warp_sum
+from . import SIM, device_fn, device_id, ld_f32, rintf, shfl_idx, shfl_xor, warp_sum
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn, unit_words  # noqa: F401  (unit_words: matmul_mma)
 from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 
@@ -99,10 +99,10 @@ def dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail):
 # Rows past M and tokens past T compute on clamped indices and are not written, so every lane
 # reaches the shuffles.
 
-def _mmv_kernel(qtype, NT, S=1):
+def _mmv_kernel(qtype, NT, S=1, ACC=False):
     t_ = qtype_info(qtype)
     dec, split, tail = t_.dec, t_.split, t_.block == 1
-    write_rows = _write_rows_fn(S, NT)
+    write_rows = _write_rows_fn(S, NT, ACC)
 
     def build():
         @cuda.jit
@@ -115,8 +115,11 @@ def _mmv_kernel(qtype, NT, S=1):
             base = min(r, M - 1) * RB
             t0 = cuda.blockIdx.y * NT
             acc = cuda.local.array(NT, f32)
+            res = cuda.local.array(NT, f32)
             for j in range(NT):
                 acc[j] = f32(0.0)
+                if ACC:                                 # loaded early: off the critical path
+                    res[j] = out[min(t0 + j, T - 1), min(r, M - 1)]
             for n in range(lane + 32 * sl, (K + 7) // 8, 32 * S):
                 b = n >> 2
                 u = n & 3
@@ -125,9 +128,9 @@ def _mmv_kernel(qtype, NT, S=1):
                 for j in range(NT):
                     xb = min(t0 + j, T - 1) * K * 4
                     acc[j] += dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail)
-            write_rows(out, acc, r, t0, T, M, lane, wy, sl)
+            write_rows(out, acc, res, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_kernel
-    return _cached(("mmv", int(qtype), NT, S, MMV_WARPS), build)
+    return _cached(("mmv", int(qtype), NT, S, ACC, MMV_WARPS), build)
 
 
 def _split_k(M, K):
@@ -145,16 +148,18 @@ _PARTS = (8, MMV_MAX_T)     # split-K partial sums a block: MMV_WARPS <= 8 (a mo
                             # Numba takes shared array shapes from globals, not closures)
 
 
-def _write_rows_fn(S, NT):
+def _write_rows_fn(S, NT, ACC=False):
     """The end of a matrix-vector kernel: warp sums of acc [NT], and with split-K (S warps a
-    row) the S partial sums added in slice order by the row's first warp."""
+    row) the S partial sums added in slice order by the row's first warp. ACC: out += the
+    product (a residual add fused into the product: out is the residual stream, whose values
+    the kernel loaded into res [NT] before its dot products)."""
     @device_fn
-    def write_rows(out, acc, r, t0, T, M, lane, wy, sl):
+    def write_rows(out, acc, res, r, t0, T, M, lane, wy, sl):
         if S == 1:
             for j in range(NT):
                 tot = warp_sum(acc[j])
                 if lane == 0 and r < M and t0 + j < T:
-                    out[t0 + j, r] = tot
+                    out[t0 + j, r] = tot + res[j] if ACC else tot
             return
         part = cuda.shared.array(_PARTS, f32)   # [warp, token]
         for j in range(NT):
@@ -168,7 +173,7 @@ def _write_rows_fn(S, NT):
                     tot = part[wy, j]
                     for q in range(1, S):
                         tot += part[wy + q, j]
-                    out[t0 + j, r] = tot
+                    out[t0 + j, r] = tot + res[j] if ACC else tot
     return write_rows
 
 
@@ -215,6 +220,48 @@ def quantize_word(xq, xds, idx, write, x0, x1, x2, x3):
             xds[idx // 4 + 1] = d * f32(sq)
 
 
+@device_fn
+def quantize_lane(xq, xds, blk, write, v, lane):
+    """32-block blk of x from one value a lane (lane l holds value 32 blk + l; all 32 lanes
+    call this): the codes and (d, s) quantize_word gives the same block. Lanes 0..7 gather the
+    codes of lanes 4l..4l+3 into word 8 blk + l."""
+    a = abs(v)
+    if v != v:
+        a = v                                      # NaN sticks, as in quantize_word
+    for m in (16, 8, 4, 2, 1):
+        o = shfl_xor(a, m)
+        if o > a or o != o:
+            a = o
+    d = a / f32(127.0)
+    inv = f32(1.0) / d if d > f32(0.0) else f32(0.0)
+    q = i32(rintf(v * inv))
+    sq = q
+    for m in (16, 8, 4, 2, 1):
+        sq += shfl_xor(sq, m)
+    src = 4 * (lane & 7)
+    c0 = shfl_idx(q, src)
+    c1 = shfl_idx(q, src + 1)
+    c2 = shfl_idx(q, src + 2)
+    c3 = shfl_idx(q, src + 3)
+    if write and lane < 8:
+        xq[8 * blk + lane] = i32(u32(c0 & 0xFF) | (u32(c1 & 0xFF) << u32(8))
+                                 | (u32(c2 & 0xFF) << u32(16)) | (u32(c3 & 0xFF) << u32(24)))
+        if lane == 0:
+            xds[2 * blk] = d
+            xds[2 * blk + 1] = d * f32(sq)
+
+
+_x8_stand_ins = {}
+
+
+def unused_x8():
+    """Stand-ins for unused 8-bit output buffers (kernels are typed on them), per GPU."""
+    key = device_id()
+    if key not in _x8_stand_ins:
+        _x8_stand_ins[key] = (cuda.device_array(1, np.int32), cuda.device_array(1, np.float32))
+    return _x8_stand_ins[key]
+
+
 def _quantize_x(x, n_rows, K, stream, ready=False):
     """x (n_rows rows of K) -> (xq, xds) in reused flat device buffers (one stream at a time).
     ready: the buffers already hold this x (the previous product quantized the same input)."""
@@ -249,9 +296,9 @@ def quantizes_x(qtype, T, K):
 #   clamped indices and are not written (every lane reaches the shuffles).
 # mul_mat_vec_id_q8_kernel is the mul_mat_id version (block row y = pair, warp = row, as below).
 
-def _mmv_q8_kernel(qtype, NT, S, V):
+def _mmv_q8_kernel(qtype, NT, S, V, ACC=False):
     row_dot = row_dot_fn(qtype, V, NT, S)
-    write_rows = _write_rows_fn(S, NT)
+    write_rows = _write_rows_fn(S, NT, ACC)
 
     def build():
         @cuda.jit
@@ -265,12 +312,15 @@ def _mmv_q8_kernel(qtype, NT, S, V):
             t0 = cuda.blockIdx.y * NT
             acc = cuda.local.array(NT, f32)
             isum = cuda.local.array(NT, i32)
+            res = cuda.local.array(NT, f32)
             for j in range(NT):
                 acc[j] = f32(0.0)
+                if ACC:                                 # loaded early: off the critical path
+                    res[j] = out[min(t0 + j, T - 1), min(r, M - 1)]
             row_dot(acc, isum, w, w, base, xq, xds, t0, T - 1, K, lane, sl)
-            write_rows(out, acc, r, t0, T, M, lane, wy, sl)
+            write_rows(out, acc, res, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_q8_kernel
-    return _cached(("mmv_q8", int(qtype), NT, S, V, chunk_units(qtype), MMV_WARPS), build)
+    return _cached(("mmv_q8", int(qtype), NT, S, V, ACC, chunk_units(qtype), MMV_WARPS), build)
 
 
 @device_fn
@@ -592,13 +642,16 @@ def _rb_k(w, qtype):
     return rb, rb // t.size * t.block
 
 
-def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
+def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device.
-    x_ready: x is the one the previous product quantized (see quantizes_x)."""
+    x_ready: x is the one the previous product quantized (see quantizes_x).
+    accumulate: out += the product instead (matrix-vector products only, T <= MMV_MAX_T)."""
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
         return
+    if accumulate and T > MMV_MAX_T:
+        raise ValueError("mul_mat: accumulate is for matrix-vector products (T <= MMV_MAX_T)")
     if T > MMV_MAX_T and MMA and _int8(qtype, K):
         _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
         return
@@ -614,10 +667,10 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False):
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
     if _int8(qtype, K):
         xq, xds = _quantize_x(x, T, K, stream, x_ready)
-        _mmv_q8_kernel(qtype, nt, S, chunks_in_flight(qtype, K, S))[grid, (32, MMV_WARPS), stream](
+        _mmv_q8_kernel(qtype, nt, S, chunks_in_flight(qtype, K, S), accumulate)[grid, (32, MMV_WARPS), stream](
             out, w, xq, xds, RB, K)
     else:
-        _mmv_kernel(qtype, nt, S)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
+        _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
 
 def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):

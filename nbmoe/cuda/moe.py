@@ -10,7 +10,7 @@ Selection is the A largest logits (NaN ranks as -inf; ties -> lower expert index
 import numpy as np
 from numba import cuda
 
-from . import expf, shfl_idx, shfl_xor, warp_sum
+from . import device_fn, expf, shfl_idx, shfl_xor, warp_sum
 
 f32 = np.float32
 i32 = np.int32
@@ -32,19 +32,14 @@ _kernels = {}
 # a butterfly over (value, index) pairs picks the winner in every lane, lane a keeps round a's.
 # Then lanes a < A compute their weight; the softmax denominator is a warp sum.
 
-def _route_kernel(EPL):
-    k_ = _kernels.get(("route", EPL))
-    if k_ is not None:
-        return k_
-
-    @cuda.jit
-    def topk_route_kernel(ids, weights, logits, norm, gating):
-        T, E = logits.shape
+def topk_warp_fn(EPL):
+    """topk_warp(ids, weights, logits, t, write, lane, lv, taken, norm, gating): one warp
+    routes token t (row t of ids and weights written if `write`); lv float32 / taken int32
+    [EPL]: the caller's local arrays (a device function cannot make them in the simulator)."""
+    @device_fn
+    def topk_warp(ids, weights, logits, t, write, lane, lv, taken, norm, gating):
+        E = logits.shape[1]
         A = ids.shape[1]
-        lane = cuda.threadIdx.x
-        t = min(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, T - 1)
-        lv = cuda.local.array(EPL, f32)
-        taken = cuda.local.array(EPL, i32)
         for c in range(EPL):
             e = lane + 32 * c
             v = logits[t, e] if e < E else NEG_INF
@@ -86,9 +81,34 @@ def _route_kernel(EPL):
             s = warp_sum(w if lane < A else f32(0.0))
             if s > f32(0.0):
                 w = w / s
-        if lane < A and cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y < T:
+        if lane < A and write:
             ids[t, lane] = my_i
             weights[t, lane] = w
+    return topk_warp
+
+
+def experts_per_lane(E):
+    """EPL: logits a lane holds (E / 32 rounded up to a power of two)."""
+    epl = 1
+    while 32 * epl < E:
+        epl *= 2
+    return epl
+
+
+def _route_kernel(EPL):
+    k_ = _kernels.get(("route", EPL))
+    if k_ is not None:
+        return k_
+    topk_warp = topk_warp_fn(EPL)
+
+    @cuda.jit
+    def topk_route_kernel(ids, weights, logits, norm, gating):
+        T = logits.shape[0]
+        lane = cuda.threadIdx.x
+        t = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+        lv = cuda.local.array(EPL, f32)
+        taken = cuda.local.array(EPL, i32)
+        topk_warp(ids, weights, logits, min(t, T - 1), t < T, lane, lv, taken, norm, gating)
 
     _kernels[("route", EPL)] = topk_route_kernel
     return topk_route_kernel
@@ -102,11 +122,8 @@ def topk_route(ids, weights, logits, norm, gating=0, stream=0):
         raise ValueError(f"topk_route: {A} experts per token of {E}: the kernel takes A <= min(32, E)")
     if T == 0:
         return
-    epl = 1
-    while 32 * epl < E:
-        epl *= 2
     w = min(ROUTE_WARPS, T)
-    _route_kernel(epl)[(T + w - 1) // w, (32, w), stream](ids, weights, logits, bool(norm), int(gating))
+    _route_kernel(experts_per_lane(E))[(T + w - 1) // w, (32, w), stream](ids, weights, logits, bool(norm), int(gating))
 
 
 # ---------------------------------------------------------------- moe_combine

@@ -9,8 +9,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, device_id, expf, warp_sum
-from .matmul import quantize_word
+from . import SIM, device_fn, expf, warp_sum
+from .matmul import quantize_word, unused_x8
 
 f32 = np.float32
 
@@ -150,7 +150,7 @@ def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
     if quant and n % 32:
         raise ValueError("rms_norm: 8-bit output needs rows of a multiple of 32 values")
     if not quant:
-        xq, xds = _unused_x8()
+        xq, xds = unused_x8()
     if not x2.shape[0]:
         return
     if n > WORDS_MIN_N and n % 4 == 0:
@@ -163,17 +163,6 @@ def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
         return
     rms_norm_kernel[x2.shape[0], 32 * warps, stream](o2, x2, w, float(eps), a2, add is not None,
                                                      xq, xds, quant)
-
-
-_x8_stand_ins = {}
-
-
-def _unused_x8():
-    """Stand-ins for unused 8-bit output buffers (the kernel is typed on them), per GPU."""
-    key = device_id()
-    if key not in _x8_stand_ins:
-        _x8_stand_ins[key] = (cuda.device_array(1, np.int32), cuda.device_array(1, np.float32))
-    return _x8_stand_ins[key]
 
 
 # ---------------------------------------------------------------- add, scale
