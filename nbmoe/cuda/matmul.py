@@ -213,11 +213,17 @@ def quantize_word(xq, xds, idx, write, x0, x1, x2, x3):
     for m in (4, 2, 1):
         sq += shfl_xor(sq, m)
     if write:
-        xq[idx] = i32(u32(q0 & 0xFF) | (u32(q1 & 0xFF) << u32(8))
-                      | (u32(q2 & 0xFF) << u32(16)) | (u32(q3 & 0xFF) << u32(24)))
+        xq[idx] = _word(q0, q1, q2, q3)
         if idx % 8 == 0:
             xds[idx // 4] = d
             xds[idx // 4 + 1] = d * f32(sq)
+
+
+@device_fn
+def _word(q0, q1, q2, q3):
+    """Four 8-bit codes in one int32 word, little-endian."""
+    return i32(u32(q0 & 0xFF) | (u32(q1 & 0xFF) << u32(8)) | (u32(q2 & 0xFF) << u32(16))
+               | (u32(q3 & 0xFF) << u32(24)))
 
 
 @device_fn
@@ -244,8 +250,7 @@ def quantize_lane(xq, xds, blk, write, v, lane):
     c2 = shfl_idx(q, src + 2)
     c3 = shfl_idx(q, src + 3)
     if write and lane < 8:
-        xq[8 * blk + lane] = i32(u32(c0 & 0xFF) | (u32(c1 & 0xFF) << u32(8))
-                                 | (u32(c2 & 0xFF) << u32(16)) | (u32(c3 & 0xFF) << u32(24)))
+        xq[8 * blk + lane] = _word(c0, c1, c2, c3)
         if lane == 0:
             xds[2 * blk] = d
             xds[2 * blk + 1] = d * f32(sq)
