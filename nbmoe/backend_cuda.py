@@ -220,6 +220,23 @@ class CUDABackend(Backend):
         a[...] = 0
         return a
 
+    def mapped_alloc(self, shape, dtype):
+        """(host array, device array) over one page-locked host buffer mapped into this GPU's
+        address space: kernels read and write it over PCIe, the host sees their writes once
+        the stream is synchronised (scheduler.mapped_crossings)."""
+        self.activate()
+        dtype = np.dtype(dtype)
+        if self.sim:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+            host = np.zeros(shape, dtype)
+            return host, FakeCUDAArray(host)
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        n = max(int(np.prod(shape)) * dtype.itemsize, 1)
+        buf = self.cuda.current_context().memhostalloc(n, mapped=True, portable=self.portable)
+        host = np.ndarray(shape, dtype, buffer=buf)
+        host[...] = 0
+        return host, DeviceNDArray(host.shape, host.strides, dtype, gpu_data=buf)
+
     def _pinned(self, shape, dtype):
         self.activate()
         if not self.portable:

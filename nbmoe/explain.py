@@ -53,7 +53,9 @@ def schedule_table(llm, batches):
         nodes = ", ".join(f"{b}/{c}: {k}" for (b, c), k in sorted(count.items()))
         if offl:
             nodes += " | offloaded: " + ", ".join(f"{op} x{k}" for op, k in offl.items())
-        t.add_row(str(n), str(len(plan.splits)), str(len(plan.copies)),
+        mapped = sum(c.mapped for c in plan.copies)
+        t.add_row(str(n), str(len(plan.splits)),
+                  f"{len(plan.copies)}" + (f" ({mapped} mapped)" if mapped else ""),
                   f"{plan.copy_bytes / 2**20:.2f}", nodes)
     return t
 

@@ -19,7 +19,13 @@ Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecu
 steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
 kernel; copies and offloaded products stay outside. --timings replays each step of such a run
 as a graph of its own between CUDA events: per-op device times.
+Small buffers that cross between the CPU and one GPU and that the GPU touches once per
+crossing (the router's choices and weights out of a layer's GPU split, the CPU experts'
+output back in: `mapped_crossings`) live in host memory mapped into the GPU's address space:
+the GPU kernel writes (reads) them there over PCIe, the graph holds no copy for them.
+Measured on an H100 box: see README. NBMOE_NO_MAPPED=1 copies them as the others.
 """
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,6 +40,9 @@ OFFLOAD_MIN_BATCH = 32
 # Batches up to which runs of GPU steps are recorded and replayed as CUDA graphs: launch
 # overhead matters only where kernels are short.
 GRAPH_MAX_T = 8
+# Crossing buffers up to this size may be mapped host memory (see mapped_crossings).
+MAPPED_MAX_BYTES = 64 << 10
+MAPPED = os.environ.get("NBMOE_NO_MAPPED", "") != "1"
 
 
 @dataclass
@@ -85,6 +94,7 @@ class Copy:
     src: str
     dst: str
     n_bytes: int
+    mapped: bool = False      # no copy step: the GPU reads / writes the host buffer itself
 
 
 class Plan:
@@ -180,6 +190,12 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     bufs = {name: _Buffers(be, graph, backends[gpus[0]].pinned_alloc
                            if graph_mode and name == "CPU" else None)
             for name, be in backends.items()}
+    mapped = set()
+    if graph_mode and len(gpus) == 1 and MAPPED:
+        mapped = mapped_crossings(graph, gpus[0])
+        for name in mapped:
+            b = graph.buffers[name]
+            bufs["CPU"][name], bufs[gpus[0]][name] = backends[gpus[0]].mapped_alloc(b.shape, b.dtype)
     valid = {name: {"CPU"} for name in graph.inputs}
     steps, labels, copies = [], [], []
     runs_on = []             # per step: the backend that executes it
@@ -191,6 +207,10 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
             return
         src = "CPU" if "CPU" in valid[name] else sorted(valid[name])[0]
         s_arr, d_arr = bufs[src][name], bufs[where][name]
+        if name in mapped:                            # one buffer, seen by both: no step
+            copies.append(Copy(name, src, where, int(s_arr.nbytes), mapped=True))
+            valid[name].add(where)
+            return
         if graph_mode and "CPU" in (src, where):      # host <-> GPU through pinned memory
             gpu = where if src == "CPU" else src
             record_on[len(steps)] = gpu
@@ -232,6 +252,35 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     if "logits" in valid:
         host["logits"] = bufs["CPU"]["logits"]
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
+
+
+def mapped_crossings(graph, gpu):
+    """Buffers (at most MAPPED_MAX_BYTES) that cross between the CPU and `gpu`, where the GPU
+    reads a value the CPU wrote in one node only and never reads a value it wrote itself: a
+    kernel touches them once per crossing, so mapped host memory costs it one PCIe trip and
+    saves the graph a copy. Not the graph's inputs (the position is read by many kernels) and
+    not the residual stream (read and written by every GPU node of a layer)."""
+    writer, gpu_reads, crossing, bad = {}, {}, set(), set(graph.inputs)
+    for node in graph.nodes:
+        for src in node.srcs:
+            w = writer.get(src, "CPU")
+            if node.backend == gpu:
+                if w == gpu:
+                    bad.add(src)                      # the GPU reads its own value
+                elif w == "CPU":
+                    crossing.add(src)
+                    gpu_reads[src] = gpu_reads.get(src, 0) + 1
+                    if gpu_reads[src] > 1:
+                        bad.add(src)                  # several GPU readers of one CPU value
+                else:
+                    bad.add(src)
+            elif node.backend == "CPU" and w == gpu:
+                crossing.add(src)
+        for out in node.outs:
+            writer[out], gpu_reads[out] = node.backend, 0
+    return {name for name in crossing - bad
+            if np.prod(graph.buffers[name].shape) * np.dtype(graph.buffers[name].dtype).itemsize
+            <= MAPPED_MAX_BYTES}
 
 
 def _split_inputs(nodes, start):

@@ -79,6 +79,18 @@ def test_hybrid_equals_cpu(model, whole, placement):
         tok = int(nxt[-1].argmax())
 
 
+def test_decode_crossings_in_mapped_memory(model):
+    """Experts in RAM, one token: the router's choices and weights and the experts' sum cross
+    through mapped host memory (the GPU kernels write / read them there, no copy step); the
+    normed x, which the GPU's q/k/v products also read, and the residual stream are copied."""
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    plan = llm.plan(1, 1)
+    mapped = {c.buffer for c in plan.copies if c.mapped}
+    assert mapped == {"expert_ids", "expert_weights", "ffn_out"}
+    assert "h" in {c.buffer for c in plan.copies if not c.mapped}
+    assert not any(c.mapped for c in llm.plan(9, 1).copies)     # prompts: no graphs, copies
+
+
 def test_decode_split_copies_together(model):
     """Experts in RAM: each layer's GPU split ends with every copy its CPU split reads (the
     router's ids and weights, the normed x), so a decode token makes one CUDA graph a layer."""
