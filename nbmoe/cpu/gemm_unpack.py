@@ -34,6 +34,7 @@ from .quants_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, _i
 from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
+from .quants_rtr_k import HEAD, M_AT, Q4_K_R16, REC, SC_AT
 from .simd import F32, I32, Rows, vec
 
 u32 = np.uint32
@@ -41,7 +42,7 @@ LO, BIAS = 0x0F0F0F0F, 0x80808080
 
 # Types whose scale changes every 16 values; types with a float offset per group.
 PER16 = (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M)
-HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q4_1_R16)
+HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q4_1_R16, Q4_K_R16)
 
 
 @njit(inline="always")
@@ -261,6 +262,37 @@ def unpack_r16(typingctx, qt, P, w, o, B, blk):
     return types.void(qt, P, w, o, B, blk), codegen
 
 
+@intrinsic
+def unpack_k_r16(typingctx, P, w, o, sb):
+    """Super-block sb of the repacked Q4_K group at byte o of w's data (quants_rtr_k: head
+    d [16] f16, dmin [16] f16, W [3][16] u32; qs [4][8][16][4]) into the panel's 8 records."""
+    def codegen(context, b, sig, args):
+        P, w, o, sb = args
+        e = Rows.__new__(Rows)
+        e.b, c, PW = b, Rows.c, record_words(32)
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
+
+        def load(off, ty):
+            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+        d, dmin = (b.fpext(load(off, vec(ir.HalfType(), 16)), vec(F32, 16)) for off in (0, 32))
+        W = [load(64 + 64 * k, vec(I32, 16)) for k in range(3)]
+        m7 = e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 28), 12), e.and_(e.shr(W[2], 26), 48))
+        ms = [e.bits(W[k], bit, 63) for k, bit in M_AT] + [m7]
+        for j, (k, bit) in enumerate(SC_AT):
+            e.scale(j, b.fmul(d, e.float(e.bits(W[k], bit, 63))), b.fneg(b.fmul(dmin, e.float(ms[j]))))
+        for ch in range(4):                      # sub-blocks 2 ch (low nibbles), 2 ch + 1 (high)
+            for k in range(8):
+                q = load(HEAD + 64 * (8 * ch + k), vec(I32, 16))
+                e.put(8 * 2 * ch + k, e.or_(e.and_(q, LO), BIAS))
+                e.put(8 * (2 * ch + 1) + k, e.or_(e.bits(q, 4, LO), BIAS))
+        return context.get_dummy_value()
+    return types.void(P, w, o, sb), codegen
+
+
 # ---------------------------------------------------------------- grid IQ types
 # quants_iq's sub-block decoders give the 32 values without d * s as integer-valued floats
 # (IQ1: grid + delta, times 8 an integer) and s (or s of each 16 values).
@@ -340,7 +372,10 @@ def unpack(qtype, P, w, r0, nr):
         roff[r] = (r0 + min(r, nr - 1)) * w.shape[1]
     qt = base_of(qtype) if qtype in R16_TYPES else qtype
     if qtype in R16_TYPES and nr == GROUP:
-        if qt == Q4_0:
+        if qt == Q4_K:
+            for sb in range(w.shape[1] // 144):
+                unpack_k_r16(P, w, r0 * w.shape[1], sb)
+        elif qt == Q4_0:
             _r16(Q4_0, P, w, r0)
         elif qt == Q4_1:
             _r16(Q4_1, P, w, r0)

@@ -48,8 +48,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import quants_rtr_k
 from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
 from .quants_int8 import _dot4_init, dot_rows_i8
+from .quants_k import Q4_K
+from .quants_rtr_k import Q4_K_R16, dequant_rows_q4_k_r16, dot_rows_q4_k_r16
 from .simd import PREFETCH
 
 GROUP = 16
@@ -57,9 +60,9 @@ u64 = np.uint64
 # Independent int32 chains per block (their vpdpbusd are dependent, 5 cycles each): 2 -> 4
 # took Q4_0 in L2 from ~1.2 to ~1.05 cycles a row-block (1 thread, shared VM).
 CHAINS = 4
-# The repacked layouts' qtype ids (not GGML types) and their GGUF originals.
+# The repacked layouts' qtype ids (not GGML types) and their GGUF originals (Q4_K: quants_rtr_k).
 Q4_0_R16, Q4_1_R16, Q8_0_R16 = 1002, 1003, 1008
-R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16}
+R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R16}
 BASE = {v: k for k, v in R16.items()}
 R16_TYPES = tuple(BASE)
 
@@ -74,6 +77,8 @@ def layout(qt):
         return 18, 2, 256, 32
     if qt == Q4_1:
         return 20, 4, 256, 64
+    if qt == Q4_K:
+        return 144, 0, 0, 0
     return 34, 2, 512, 32
 
 
@@ -110,13 +115,16 @@ def repack(out, w, qt):
 
 
 def repack_tensor(w, qtype):
-    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (Q4_0 / Q4_1 / Q8_0),
+    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (Q4_0 / Q4_1 / Q8_0 / Q4_K),
     64-byte aligned, and its qtype id."""
     a = w.reshape((-1,) + w.shape[-2:])
     raw = np.empty(w.nbytes + 64, np.uint8)
     start = -raw.ctypes.data % 64
     out = raw[start:start + w.nbytes].reshape(a.shape)
-    repack(out, a, int(qtype))
+    if int(qtype) == Q4_K:
+        quants_rtr_k.repack_q4_k(out, a)
+    else:
+        repack(out, a, int(qtype))
     return out.reshape(w.shape), R16[int(qtype)]
 
 
@@ -239,8 +247,10 @@ def dequant_rows_r16(qtype, out, w):
         _decode_q4_0(out, w)
     elif qtype == Q4_1_R16:
         _decode_q4_1(out, w)
-    else:
+    elif qtype == Q8_0_R16:
         _decode_q8_0(out, w)
+    else:
+        dequant_rows_q4_k_r16(out, w)
 
 
 @njit(cache=True, error_model="numpy")
@@ -249,7 +259,9 @@ def dequant_row_r16(qtype, out, w, row):
     qt = base_of(qtype)
     size = layout(qt)[0]
     B, g = w.shape[1] // size, row // GROUP
-    if g < w.shape[0] // GROUP:
+    if g < w.shape[0] // GROUP and qt == Q4_K:
+        quants_rtr_k.decode_row(out, group_bytes(w, g), row % GROUP)
+    elif g < w.shape[0] // GROUP:
         grp = group_bytes(w, g)
         for b in range(B):
             v = block32()
@@ -262,7 +274,7 @@ def dequant_row_r16(qtype, out, w, row):
 
 @njit(inline="always")
 def base_of(qtype):
-    return Q4_0 if qtype == Q4_0_R16 else Q4_1 if qtype == Q4_1_R16 else Q8_0
+    return Q4_0 if qtype == Q4_0_R16 else Q4_1 if qtype == Q4_1_R16 else Q8_0 if qtype == Q8_0_R16 else Q4_K
 
 
 # ---------------------------------------------------------------- the kernel
@@ -393,3 +405,5 @@ def dot_rows_r16(qtype, out, w, xq, xd, xs, xb, xds):
         dot_rows_q4_1_r16(out, w, xq, xd, xs, xb, xds)
     elif qtype == Q8_0_R16:
         dot_rows_q8_0_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == Q4_K_R16:   # xds: quants_rtr_k.prepare_xk's x scales
+        dot_rows_q4_k_r16(out, w, xq, xd, xs, xb, xds)
