@@ -1,5 +1,6 @@
 """Run-time repacking (-rtr): Q4_0 / Q4_1 / Q8_0 weights rewritten at load time into groups
-of 16 rows interleaved block by block, and the integer matrix-vector kernel that reads them.
+of 16 rows interleaved block by block, and the integer matrix-vector kernel that reads them
+(Q4_K: quants_rtr_k, dispatched from here).
 
 Letters: M rows, K values per row, B = K / 32 blocks per row, G = M // 16 full groups of
 16 rows; r = 0..15 a row of its group (= a 32-bit lane of a 512-bit register).

@@ -224,7 +224,8 @@ def _emit_record(context, b, sig, args):
 
     def tree(ts):           # products pair up into FMAs (contract)
         while len(ts) > 1:
-            ts = [b.fadd(ts[i], ts[i + 1], flags=("contract",)) for i in range(0, len(ts) - 1, 2)] + ts[len(ts) // 2 * 2:]
+            pairs = [b.fadd(ts[i], ts[i + 1], flags=("contract",)) for i in range(0, len(ts) - 1, 2)]
+            ts = pairs + ts[len(ts) // 2 * 2:]
         return ts[0]
 
     def xs(j):
