@@ -159,15 +159,18 @@ def dequant_rows_q4_k_r16(out, w):
 
 # ---------------------------------------------------------------- x extras
 
+# 2^-bit of each sub-block's sc (odd ones also 1/16: their codes are read as 16 q) and m
+XD_SCALE = tuple(2.0 ** -(bit + 4 * (j % 2)) for j, (_, bit) in enumerate(SC_AT))
+XS_SCALE = tuple(2.0 ** -bit for _, bit in M_AT) + (1.0,)
+
+
 @njit(inline="always")
 def prepare_xk(xk, xd, xs):
-    """xk [SB][16] f32 <- per super-block xd_j 2^-p (1/16 for odd j), then xs_j 2^-p (see the top)."""
+    """xk [SB][16] f32 <- per super-block xd_j 2^-bit (1/16 for odd j), then xs_j 2^-bit (see the top)."""
     for b in range(xd.shape[0] // 8):
         for j in range(8):
-            p = 6 * j if j < 5 else 6 * (j - 5)
-            pm = 18 + 6 * j if j < 2 else 6 * (j - 2) if j < 7 else 0
-            xk[16 * b + j] = xd[8 * b + j] * f32(2.0 ** -(p + 4 * (j % 2)))
-            xk[16 * b + 8 + j] = xs[8 * b + j] * f32(2.0 ** -pm)
+            xk[16 * b + j] = xd[8 * b + j] * f32(XD_SCALE[j])
+            xk[16 * b + 8 + j] = xs[8 * b + j] * f32(XS_SCALE[j])
 
 
 # ---------------------------------------------------------------- the kernel (IR)
