@@ -320,14 +320,15 @@ def run_without_vnni(code):
 
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
-# layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); Q4_K (quants_rtr_k,
-# random valid blocks: every scale bit) at K of real models, 768, 2048, 4096. The repacked
+# layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); IQ4_NL, MXFP4 and Q4_K
+# (quants_rtr_k) from random valid blocks (every code and scale bit), Q4_K at K of real
+# models, 768, 2048, 4096. The repacked
 # kernels are compared with the plain int8 kernels (same x rounding: only the float summation
 # order differs), with float64 over the rounded x, and with the exact product; T = 17 takes
 # the batched path (gemm_i8, or decode + BLAS). ITEM_BYTES shrunk: T = 1 runs several items
 # of whole groups.
 
-RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "IQ4_NL", "MXFP4"]
 RTOL_RTR = 2e-6
 
 
@@ -337,10 +338,10 @@ def rtr_k(name):
 
 def rtr_weights(shape, name, K, seed):
     """Read-only GGUF weights [*shape, row_bytes] of a repackable type."""
-    if name != "Q4_K":
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
         return quantize(rnd(*shape, K, seed=seed), name)
     from ref_quant import random_blocks
-    n = int(np.prod(shape)) * K // 256
+    n = int(np.prod(shape)) * K // matmul.TYPES[int(Q[name])][0]
     w = np.ascontiguousarray(random_blocks(np.random.default_rng(seed), n, name).reshape(shape + (-1,)))
     w.flags.writeable = False
     return w
@@ -376,7 +377,7 @@ def test_mul_mat_rtr(name, T, K, monkeypatch):
     w = rtr_weights((M,), name, K, seed=21)
     wr, qr = repacked(w, name)
     x = rnd(T, K, seed=22)
-    if name != "Q4_K":   # (random Q4_K blocks: the outlier's coarse x alone exceeds RTOL_X8, plain too)
+    if name in ("Q4_0", "Q4_1", "Q8_0"):   # (random blocks: the outlier's coarse x alone exceeds RTOL_X8)
         x[0, 5] = 40.0
     wd = ref_dequant(w, name, K)
     got, plain = (np.full((T, M), np.nan, np.float32) for _ in range(2))

@@ -229,11 +229,12 @@ def unpack_block(typingctx, qt, P, w, roff, blk):
 @intrinsic
 def unpack_r16(typingctx, qt, P, w, o, B, blk):
     """Block blk of the repacked group at byte o of w's data (quants_rtr: qs [B][4 or 8][16][4]
-    then scales [B][16] f16, Q4_1 [B][d 16 | m 16]) into the panel P; qt the base type, constant."""
+    then scales [B][16] f16, Q4_1 [B][d 16 | m 16], MXFP4 [B][16] u8) into the panel P; qt the
+    base type, constant."""
     if not isinstance(qt, types.IntegerLiteral):
         return None
     base = qt.literal_value
-    qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 32)
+    qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 16 if base == MXFP4 else 32)
 
     def codegen(context, b, sig, args):
         _, P, w, o, B, blk = args
@@ -251,10 +252,20 @@ def unpack_r16(typingctx, qt, P, w, o, B, blk):
 
         def halfs(off):
             return b.fpext(load(sc, off, vec(ir.HalfType(), 16)), vec(F32, 16))
-        e.scale(0, halfs(0), halfs(32) if base == Q4_1 else None)
+        if base == MXFP4:                        # 2^(e - 128) as _iq4_nl
+            x = b.zext(load(sc, 0, vec(ir.IntType(8), 16)), vec(I32, 16))
+            small = b.icmp_unsigned("<", x, e.k(2))
+            bits = b.select(small, b.shl(e.k(0x00200000), x), e.shl(b.sub(x, e.k(1)), 23))
+            e.scale(0, b.bitcast(bits, vec(F32, 16)))
+        else:
+            e.scale(0, halfs(0), halfs(32) if base == Q4_1 else None)
         if base == Q8_0:                         # stored w ^ 0x80 already
             for k in range(8):
                 e.put(k, load(qs, 64 * k, vec(I32, 16)))
+        elif base in (IQ4_NL, MXFP4):
+            table = KV_MXFP4 if base == MXFP4 else KV_IQ4
+            _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
+                          lambda q, k, h: e.lut(q, table))
         else:
             _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
                           lambda q, k, h: e.add(q, 0x78787878) if base == Q4_0 else e.or_(q, BIAS))
@@ -357,7 +368,7 @@ def _blocks(qt, P, w, roff):
 
 @njit(inline="always")
 def _r16(qt, P, w, r0):
-    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    size = 18 if qt == Q4_0 or qt == IQ4_NL else 20 if qt == Q4_1 else 17 if qt == MXFP4 else 34
     B = w.shape[1] // size
     for blk in range(B):
         unpack_r16(qt, P, w, r0 * w.shape[1], B, blk)
@@ -379,6 +390,10 @@ def unpack(qtype, P, w, r0, nr):
             _r16(Q4_0, P, w, r0)
         elif qt == Q4_1:
             _r16(Q4_1, P, w, r0)
+        elif qt == IQ4_NL:
+            _r16(IQ4_NL, P, w, r0)
+        elif qt == MXFP4:
+            _r16(MXFP4, P, w, r0)
         else:
             _r16(Q8_0, P, w, r0)
     elif qt == Q4_0:                             # (R16: the tail rows keep the GGUF layout)

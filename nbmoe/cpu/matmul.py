@@ -22,7 +22,7 @@ Three paths, chosen per call by the number of tokens T sharing a weight matrix:
 `mul_mat_plain` (decode a row to float32, dot it) is the plain reference all are tested
 against. Kernels take qtype as an int and branch inside, so each compiles once for all types.
 
-Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 / Q4_K rewritten at load time into groups
+Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL / MXFP4 rewritten at load time into groups
 of 16 interleaved rows, with their own qtype ids (R16_TYPES). Every entry point takes them:
 matrix-vector by quants_rtr's kernel (always integer dots), gemm_i8 (a group is a panel) or
 decode for BLAS, get_rows and mul_mat_plain by its decoder. Work items then hold whole groups
@@ -41,8 +41,8 @@ from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_1, Q5_1
 from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x, x_extra_words
-from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
-                         dequant_rows_r16, dot_rows_r16)
+from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, block_biases, dequant_row_r16,
+                         dequant_rows_r16, dot_rows_r16, level_bias)
 from .quants_rtr_k import Q4_K_R16, prepare_xk
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
@@ -121,7 +121,8 @@ def int8_path(qtype, n_tokens):
 # the type's extras xb [N, x_extra_words] int32 (Q5_0 / Q8_0: lane biases; Q4_0: quants_q4x's
 # record; IQ4_*, MXFP4: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
 # (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B],
-# for repacked Q4_K xds the x scales of quants_rtr_k.prepare_xk.
+# for repacked Q4_K xds the x scales of quants_rtr_k.prepare_xk, for repacked IQ4_NL / MXFP4
+# xb followed by block biases -bias * (block sum of xq) (quants_rtr.block_biases).
 # The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")
@@ -143,6 +144,8 @@ def _prepare_x(x, int8, qtype):
             prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
             if qtype == Q4_K_R16:
                 prepare_xk(xds[n], xd[n], xs[n])
+            elif repacked and level_bias(qt):    # IQ4_NL, MXFP4: after the plain kernel's record
+                block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
         else:
             for b in range(B):
                 for i in range(32):
