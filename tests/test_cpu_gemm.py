@@ -21,7 +21,7 @@ from nbmoe.cpu import gemm_i8, matmul
 
 BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"]
 SUPER_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *IQ_NAMES]
-RTR = ["Q4_0_R16", "Q4_1_R16", "Q8_0_R16", "Q4_K_R16", "IQ4_NL_R16", "MXFP4_R16"]
+RTR = ["Q4_0_R16", "Q4_1_R16", "Q8_0_R16", "Q4_K_R16", "IQ4_NL_R16", "MXFP4_R16", "IQ4_XS_R16"]
 
 pytestmark = pytest.mark.skipif(not matmul.GEMM_I8, reason="gemm_i8 needs AVX-512 VNNI")
 

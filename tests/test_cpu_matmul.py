@@ -328,12 +328,12 @@ def run_without_vnni(code):
 # the batched path (gemm_i8, or decode + BLAS). ITEM_BYTES shrunk: T = 1 runs several items
 # of whole groups.
 
-RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "IQ4_NL", "MXFP4"]
+RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "IQ4_NL", "MXFP4", "IQ4_XS"]
 RTOL_RTR = 2e-6
 
 
 def rtr_k(name):
-    return 768 if name == "Q4_K" else 224
+    return 768 if name in ("Q4_K", "IQ4_XS") else 224
 
 
 def rtr_weights(shape, name, K, seed):
@@ -368,7 +368,7 @@ def test_repack_decodes_exactly(name):
 
 
 @pytest.mark.parametrize("name, T, K", [(n, T, rtr_k(n)) for n in RTR_TYPES for T in (1, 2, 5, 17)]
-                         + [("Q4_K", 1, 2048), ("Q4_K", 3, 4096)])
+                         + [("Q4_K", 1, 2048), ("Q4_K", 3, 4096), ("IQ4_XS", 1, 2048), ("IQ4_XS", 3, 4096)])
 def test_mul_mat_rtr(name, T, K, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
@@ -447,8 +447,8 @@ def test_without_vnni():
         "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
         f"sys.path.insert(0, {TOOLS!r})\n"
         "from ref_quant import random_blocks\n"
-        "for name, K in (('Q4_K', 512), ('IQ4_NL', 224), ('MXFP4', 224)):\n"
-        "    w = np.ascontiguousarray(random_blocks(rng, 37 * K // 32 // (8 if name == 'Q4_K' else 1), name)"
+        "for name, K in (('Q4_K', 512), ('IQ4_XS', 512), ('IQ4_NL', 224), ('MXFP4', 224)):\n"
+        "    w = np.ascontiguousarray(random_blocks(rng, 37 * K // 32 // (8 if name[-1] in 'KS' else 1), name)"
         ".reshape(37, -1))\n"
         "    x = rng.standard_normal((2, K), dtype=np.float32)\n"
         "    wr, qr = repack_tensor(w, int(Q[name]))\n"

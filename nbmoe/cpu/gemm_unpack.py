@@ -35,6 +35,7 @@ from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
 from .quants_rtr_k import HEAD, M_AT, Q4_K_R16, REC, SC_AT
+from . import quants_rtr_xs as xs16
 from .simd import F32, I32, Rows, vec
 
 u32 = np.uint32
@@ -304,6 +305,35 @@ def unpack_k_r16(typingctx, P, w, o, sb):
     return types.void(P, w, o, sb), codegen
 
 
+@intrinsic
+def unpack_xs_r16(typingctx, P, w, o, sb):
+    """Super-block sb of the repacked IQ4_XS group at byte o of w's data (quants_rtr_xs: head
+    d [16] f16, L [16] u32, H [16] u16; qs [8][4][16][4]) into the panel's 8 records."""
+    def codegen(context, b, sig, args):
+        P, w, o, sb = args
+        e = Rows.__new__(Rows)
+        e.b, c, PW = b, Rows.c, record_words(32)
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(xs16.REC)))])
+
+        def load(off, ty):
+            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+        d = b.fpext(load(0, vec(ir.HalfType(), 16)), vec(F32, 16))
+        W = [load(32, vec(I32, 16)), b.zext(load(96, vec(ir.IntType(16), 16)), vec(I32, 16))]
+        ls = [e.bits(W[k], bit, 63) for k, bit in xs16.LS_AT] + [e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 10), 60))]
+        for j in range(8):
+            e.scale(j, b.fmul(d, e.float(e.add(ls[j], -32))))
+            for k in range(4):
+                q = load(xs16.HEAD + 64 * (4 * j + k), vec(I32, 16))
+                e.put(8 * j + k, e.lut(e.and_(q, LO), KV_IQ4))
+                e.put(8 * j + 4 + k, e.lut(e.bits(q, 4, LO), KV_IQ4))
+        return context.get_dummy_value()
+    return types.void(P, w, o, sb), codegen
+
+
 # ---------------------------------------------------------------- grid IQ types
 # quants_iq's sub-block decoders give the 32 values without d * s as integer-valued floats
 # (IQ1: grid + delta, times 8 an integer) and s (or s of each 16 values).
@@ -386,6 +416,9 @@ def unpack(qtype, P, w, r0, nr):
         if qt == Q4_K:
             for sb in range(w.shape[1] // 144):
                 unpack_k_r16(P, w, r0 * w.shape[1], sb)
+        elif qt == IQ4_XS:
+            for sb in range(w.shape[1] // 136):
+                unpack_xs_r16(P, w, r0 * w.shape[1], sb)
         elif qt == Q4_0:
             _r16(Q4_0, P, w, r0)
         elif qt == Q4_1:

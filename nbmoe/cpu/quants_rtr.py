@@ -1,6 +1,6 @@
 """Run-time repacking (-rtr): Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 weights rewritten at load time
 into groups of 16 rows interleaved block by block, and the integer matrix-vector kernel that
-reads them (Q4_K: quants_rtr_k, dispatched from here).
+reads them (Q4_K: quants_rtr_k, IQ4_XS: quants_rtr_xs, dispatched from here).
 
 Letters: M rows, K values per row, B = K / 32 blocks per row, G = M // 16 full groups of
 16 rows; r = 0..15 a row of its group (= a 32-bit lane of a 512-bit register).
@@ -31,8 +31,8 @@ group g (a block of 16 rows) takes the bytes of rows 16g..16g+15, rewritten as
       stored + 128 / + 12 so they are unsigned (quants_iq4's tables).
 
 Sizes: Q4_0, IQ4_NL 16 x 18 = 256 + 32, Q4_1 16 x 20 = 256 + 64, MXFP4 16 x 17 = 256 + 16,
-Q8_0 16 x 34 = 512 + 32 bytes a block of a group: nothing grows, and with B even (K % 64 == 0) every qs vector is 64-byte
-aligned when the tensor is. Rows past the last full group (M % 16) keep the GGUF layout and
+Q8_0 16 x 34 = 512 + 32 bytes a block of a group: nothing grows, and with B even (K % 64 == 0)
+every qs vector is 64-byte aligned when the tensor is. Rows past the last full group (M % 16) keep the GGUF layout and
 go through the plain kernels (the "tail"). A repacked tensor has its own qtype id (R16
 below), so every kernel that gets it knows its layout.
 
@@ -42,11 +42,13 @@ Equation (block b of row r; xq, xd, xs from quantize_x, sums = the block's sum o
   IQ4_NL, MXFP4  d_r * xd_b * (sum_k (level(q_rk) + bias) xq_k - bias sums_b), bias 128 / 12
 The -bias term starts the int32 lanes (xbb[b] = -bias * sums_b, from prepare_blocks or
 block_biases), so each block is: 8 vpdpbusd (CHAINS chains), 1 shift + 3 adds, f16 -> f32
-scales, 1 mul, 1 FMA (Q4_1 + 1 FMA; the table types + 1 shift, 3 and, 8 vpshufb). Parallel over groups of rows (the matmul drivers' work items hold whole groups).
+scales, 1 mul, 1 FMA (Q4_1 + 1 FMA; the table types + 4 shifts, 4 and, 8 vpshufb). Parallel
+over groups of rows (the matmul drivers' work items hold whole groups).
 
 Also here: `repack` (load time, parallel over groups), `dequant_row_r16` (the plain loop:
 get_rows, mul_mat_plain, the tests' reference) and `dequant_rows_r16` (the BLAS path's tile
-decoder in IR: a 64-byte vector of codes to 64 floats at a time, stored 4 per row).
+decoder in IR: a 64-byte vector of codes to 64 floats at a time, stored 4 per row; the table
+types and the super-block ones by their plain loops).
 """
 import numpy as np
 from llvmlite import ir
@@ -54,12 +56,13 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import quants_rtr_k
+from . import quants_rtr_k, quants_rtr_xs
 from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
 from .quants_int8 import _dot4_init, dot_rows_i8
-from .quants_iq4 import _IQ4_U8, _MXFP4_U8, IQ4_NL, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half
+from .quants_iq4 import _IQ4_U8, _MXFP4_U8, IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half
 from .quants_k import Q4_K
 from .quants_rtr_k import Q4_K_R16, dequant_rows_q4_k_r16, dot_rows_q4_k_r16
+from .quants_rtr_xs import IQ4_XS_R16, dequant_rows_iq4_xs_r16, dot_rows_iq4_xs_r16
 from .simd import PREFETCH, lut
 
 GROUP = 16
@@ -69,7 +72,8 @@ u64 = np.uint64
 CHAINS = 4
 # The repacked layouts' qtype ids (not GGML types) and their GGUF originals (Q4_K: quants_rtr_k).
 Q4_0_R16, Q4_1_R16, Q8_0_R16, IQ4_NL_R16, MXFP4_R16 = 1002, 1003, 1008, 1020, 1039
-R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R16, IQ4_NL: IQ4_NL_R16, MXFP4: MXFP4_R16}
+R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R16, IQ4_NL: IQ4_NL_R16, MXFP4: MXFP4_R16,
+       IQ4_XS: IQ4_XS_R16}
 BASE = {v: k for k, v in R16.items()}
 R16_TYPES = tuple(BASE)
 
@@ -86,15 +90,15 @@ def layout(qt):
         return 20, 4, 256, 64
     if qt == MXFP4:
         return 17, 1, 256, 16
-    if qt == Q4_K:
-        return 144, 0, 0, 0
+    if qt == Q4_K or qt == IQ4_XS:     # (quants_rtr_k, quants_rtr_xs: size only)
+        return 144 if qt == Q4_K else 136, 0, 0, 0
     return 34, 2, 512, 32
 
 
 @njit(inline="always")
 def level_bias(qt):
     """The offset of the repacked table types' stored levels (0 for the others)."""
-    return 128 if qt == IQ4_NL else 12 if qt == MXFP4 else 0
+    return 128 if qt == IQ4_NL or qt == IQ4_XS else 12 if qt == MXFP4 else 0
 
 
 # ---------------------------------------------------------------- repack (load time)
@@ -141,6 +145,8 @@ def repack_tensor(w, qtype):
     out = raw[start:start + w.nbytes].reshape(a.shape)
     if int(qtype) == Q4_K:
         quants_rtr_k.repack_q4_k(out, a)
+    elif int(qtype) == IQ4_XS:
+        quants_rtr_xs.repack_iq4_xs(out, a)
     else:
         repack(out, a, int(qtype))
     return out.reshape(w.shape), R16[int(qtype)]
@@ -273,6 +279,8 @@ def dequant_rows_r16(qtype, out, w):
         _decode_q8_0(out, w)
     elif qtype == Q4_K_R16:
         dequant_rows_q4_k_r16(out, w)
+    elif qtype == IQ4_XS_R16:
+        dequant_rows_iq4_xs_r16(out, w)
     else:                    # IQ4_NL, MXFP4: the plain loop, a row at a time
         for r in range(w.shape[0]):
             dequant_row_r16(qtype, out[r], w, r)
@@ -286,6 +294,8 @@ def dequant_row_r16(qtype, out, w, row):
     B, g = w.shape[1] // size, row // GROUP
     if g < w.shape[0] // GROUP and qt == Q4_K:
         quants_rtr_k.decode_row(out, group_bytes(w, g), row % GROUP)
+    elif g < w.shape[0] // GROUP and qt == IQ4_XS:
+        quants_rtr_xs.decode_row(out, group_bytes(w, g), row % GROUP)
     elif g < w.shape[0] // GROUP:
         grp = group_bytes(w, g)
         for b in range(B):
@@ -301,7 +311,9 @@ def dequant_row_r16(qtype, out, w, row):
 def base_of(qtype):
     if qtype == Q4_0_R16 or qtype == Q4_1_R16 or qtype == Q8_0_R16:
         return Q4_0 if qtype == Q4_0_R16 else Q4_1 if qtype == Q4_1_R16 else Q8_0
-    return Q4_K if qtype == Q4_K_R16 else IQ4_NL if qtype == IQ4_NL_R16 else MXFP4
+    if qtype == Q4_K_R16 or qtype == IQ4_XS_R16:
+        return Q4_K if qtype == Q4_K_R16 else IQ4_XS
+    return IQ4_NL if qtype == IQ4_NL_R16 else MXFP4
 
 
 @njit(inline="always")
@@ -478,3 +490,5 @@ def dot_rows_r16(qtype, out, w, xq, xd, xs, xb, xds):
         dot_rows_iq4_nl_r16(out, w, xq, xd, xs, xb, xds)
     elif qtype == MXFP4_R16:
         dot_rows_mxfp4_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == IQ4_XS_R16:   # xds: quants_rtr_xs.prepare_xk's x scales
+        dot_rows_iq4_xs_r16(out, w, xq, xd, xs, xb, xds)
