@@ -137,7 +137,7 @@ def repack(out, w, qt):
 
 
 def repack_tensor(w, qtype):
-    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (Q4_0 / Q4_1 / Q8_0 / Q4_K),
+    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (a key of R16),
     64-byte aligned, and its qtype id."""
     a = w.reshape((-1,) + w.shape[-2:])
     raw = np.empty(w.nbytes + 64, np.uint8)
