@@ -24,8 +24,9 @@ against. Kernels take qtype as an int and branch inside, so each compiles once f
 
 Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL / IQ4_XS / MXFP4
 rewritten at load time into groups of 16 interleaved rows, with their own qtype ids
-(R16_TYPES). Every entry point takes them: matrix-vector by quants_rtr's kernel (always integer dots), gemm_i8 (a group is a panel) or
-decode for BLAS, get_rows and mul_mat_plain by its decoder. Work items then hold whole groups
+(R16_TYPES). Every entry point takes them: matrix-vector by quants_rtr's kernels (always
+integer dots), gemm_i8 (a group is a panel) or decode for BLAS, get_rows and mul_mat_plain by
+their decoders. Work items then hold whole groups
 (multiples of 16 rows).
 
 Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool (whose threads spin
@@ -122,10 +123,9 @@ def int8_path(qtype, n_tokens):
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
 # the type's extras xb [N, x_extra_words] int32 (Q5_0 / Q8_0: lane biases; Q4_0: quants_q4x's
 # record; IQ4_*, MXFP4: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
-# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B],
-# for repacked Q4_K / IQ4_XS xds the x scales of quants_rtr_k / _xs.prepare_xk, for repacked
-# IQ4_* / MXFP4
-# xb followed by block biases -bias * (block sum of xq) (quants_rtr.block_biases).
+# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B]
+# (IQ4_*, MXFP4: quants_rtr.block_biases), for repacked Q4_K / IQ4_XS xds the x scales of
+# quants_rtr_k / quants_rtr_xs.prepare_xk.
 # The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")

@@ -64,7 +64,8 @@ def lut(b, table, idx):
     ty = vec(I8, width)
     fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ty, [ty, ty]), name)
     tab = const(I8, [t & 255 for t in table] * (width // 16))
-    out = [b.call(fn, [tab, b.shuffle_vector(idx, idx, const(I32, range(i, i + width)))]) for i in range(0, n, width)]
+    out = [b.call(fn, [tab, b.shuffle_vector(idx, idx, const(I32, range(i, i + width)))])
+           for i in range(0, n, width)]
     while len(out) > 1:
         m = out[0].type.count
         out = [b.shuffle_vector(out[i], out[i + 1], const(I32, range(2 * m))) for i in range(0, len(out), 2)]
