@@ -20,10 +20,12 @@ def add_repack_arg(p, lists=False):
     """-rtr, as in llama.cpp / ik_llama.cpp (bench: a comma list of 0 / 1)."""
     if lists:
         p.add_argument("-rtr", "--run-time-repack", default="0",
-                       help="repack RAM-resident Q4_0 / Q4_1 / Q8_0 matrices at load (comma list of 0/1)")
+                       help="repack RAM-resident Q4_0/Q4_1/Q8_0/Q4_K/IQ4_NL/IQ4_XS/MXFP4 matrices at load "
+                            "(comma list of 0/1)")
     else:
         p.add_argument("-rtr", "--run-time-repack", action="store_true",
-                       help="repack RAM-resident Q4_0 / Q4_1 / Q8_0 matrices at load for faster CPU kernels")
+                       help="repack RAM-resident Q4_0/Q4_1/Q8_0/Q4_K/IQ4_NL/IQ4_XS/MXFP4 matrices at load "
+                            "(faster CPU kernels)")
 
 
 def add_placement_args(p, lists=False):

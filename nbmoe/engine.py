@@ -46,7 +46,8 @@ class LLM:
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = threads or default_threads()
-        # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 matrices rewritten for the CPU kernels (repack.py)
+        # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
+        # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
         if repack:
             numba.set_num_threads(self.threads)
@@ -193,8 +194,8 @@ def default_threads():
 
 
 def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
-    """Open a GGUF model. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 matrices for the
-    CPU kernels (llama.cpp's -rtr; see repack.py). Placement options (hybrid CPU + GPU):
-    n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]), offload_policy ("-op" string or
-    OffloadPolicy), cpu_moe, n_cpu_moe."""
+    """Open a GGUF model. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL /
+    IQ4_XS / MXFP4 matrices for the CPU kernels (llama.cpp's -rtr; see repack.py). Placement
+    options (hybrid CPU + GPU): n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]),
+    offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe."""
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

@@ -1,5 +1,6 @@
-"""-rtr: repack the CPU's Q4_0 / Q4_1 / Q8_0 matrices at load time (llama.cpp / ik_llama.cpp's
-run-time repacking), into the 16-row interleaved layout of cpu/quants_rtr.py.
+"""-rtr: repack the CPU's Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 / Q4_K / IQ4_XS matrices at load time
+(llama.cpp / ik_llama.cpp's run-time repacking), into the 16-row interleaved layouts of
+cpu/quants_rtr.py, cpu/quants_rtr_k.py and cpu/quants_rtr_xs.py.
 
 Which tensors: those placed in RAM (buffer type CPU), of those types, with at least 16 rows
 per matrix, that the graph only multiplies by (MUL_MAT / MUL_MAT_ID). Not repacked: tensors

@@ -21,7 +21,7 @@ from nbmoe.cpu import gemm_i8, matmul
 
 BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"]
 SUPER_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *IQ_NAMES]
-RTR = ["Q4_0_R16", "Q4_1_R16", "Q8_0_R16"]
+RTR = ["Q4_0_R16", "Q4_1_R16", "Q8_0_R16", "Q4_K_R16", "IQ4_NL_R16", "MXFP4_R16", "IQ4_XS_R16"]
 
 pytestmark = pytest.mark.skipif(not matmul.GEMM_I8, reason="gemm_i8 needs AVX-512 VNNI")
 
@@ -69,7 +69,7 @@ def test_token_runs(monkeypatch):
     assert max_rel(out, x_rounded(x) @ ref_dequant(w, "Q8_0", K).T) < RTOL
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0_R16"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0_R16", "Q4_K_R16"])
 @pytest.mark.parametrize("shared_x", [True, False])
 def test_mul_mat_id(name, shared_x):
     """T = 40, A = 3 of E = 6: expert 0 takes every token, 1, 2, 4 ~25 each (gemm_i8), 3 takes

@@ -23,6 +23,7 @@ from nbmoe.cpu import quants_q4x
 from nbmoe.cpu.quants_int8 import INT8_TYPES, prepare_blocks, quantize_x, x_extra_words
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 RTOL = 1e-5      # float32 sums of exactly decoded values
 RTOL_X8 = 1.5e-2  # the int8 path vs the exact product: x's 8-bit rounding
 
@@ -319,13 +320,31 @@ def run_without_vnni(code):
 
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
-# layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned). The repacked kernels
-# are compared with the plain int8 kernels (same x rounding: only the float summation order
-# differs), with float64 over the rounded x, and with the exact product; T = 17 takes the
-# decode + BLAS path. ITEM_BYTES shrunk: T = 1 runs several items of whole groups.
+# layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); IQ4_NL, MXFP4 and Q4_K
+# (quants_rtr_k) from random valid blocks (every code and scale bit), Q4_K at K of real
+# models, 768, 2048, 4096. The repacked
+# kernels are compared with the plain int8 kernels (same x rounding: only the float summation
+# order differs), with float64 over the rounded x, and with the exact product; T = 17 takes
+# the batched path (gemm_i8, or decode + BLAS). ITEM_BYTES shrunk: T = 1 runs several items
+# of whole groups.
 
-RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "IQ4_NL", "MXFP4", "IQ4_XS"]
 RTOL_RTR = 2e-6
+
+
+def rtr_k(name):
+    return 768 if name in ("Q4_K", "IQ4_XS") else 224
+
+
+def rtr_weights(shape, name, K, seed):
+    """Read-only GGUF weights [*shape, row_bytes] of a repackable type."""
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        return quantize(rnd(*shape, K, seed=seed), name)
+    from ref_quant import random_blocks
+    n = int(np.prod(shape)) * K // matmul.TYPES[int(Q[name])][0]
+    w = np.ascontiguousarray(random_blocks(np.random.default_rng(seed), n, name).reshape(shape + (-1,)))
+    w.flags.writeable = False
+    return w
 
 
 def repacked(w, name):
@@ -337,8 +356,8 @@ def repacked(w, name):
 
 @pytest.mark.parametrize("name", RTR_TYPES)
 def test_repack_decodes_exactly(name):
-    E, M, K = 2, 37, 224
-    w = quantize(rnd(E, M, K, seed=20), name)
+    E, M, K = 2, 37, rtr_k(name)
+    w = rtr_weights((E, M), name, K, seed=20)
     wr, qr = repacked(w, name)
     assert wr.shape == w.shape and qr != int(Q[name]) and matmul.row_size(qr, K) == w.shape[-1]
     assert np.array_equal(matmul.dequantize(wr, qr), ref_dequant(w, name, K))
@@ -348,17 +367,18 @@ def test_repack_decodes_exactly(name):
     assert np.array_equal(out, ref_dequant(w[1], name, K)[ids])
 
 
-@pytest.mark.parametrize("name", RTR_TYPES)
-@pytest.mark.parametrize("T", [1, 2, 5, 17])
-def test_mul_mat_rtr(name, T, monkeypatch):
+@pytest.mark.parametrize("name, T, K", [(n, T, rtr_k(n)) for n in RTR_TYPES for T in (1, 2, 5, 17)]
+                         + [("Q4_K", 1, 2048), ("Q4_K", 3, 4096), ("IQ4_XS", 1, 2048), ("IQ4_XS", 3, 4096)])
+def test_mul_mat_rtr(name, T, K, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
-    M, K = 37, 224
-    w = quantize(rnd(M, K, seed=21), name)
+    M = 37
+    w = rtr_weights((M,), name, K, seed=21)
     wr, qr = repacked(w, name)
     x = rnd(T, K, seed=22)
-    x[0, 5] = 40.0
+    if name in ("Q4_0", "Q4_1", "Q8_0"):   # (random blocks: the outlier's coarse x alone exceeds RTOL_X8)
+        x[0, 5] = 40.0
     wd = ref_dequant(w, name, K)
     got, plain = (np.full((T, M), np.nan, np.float32) for _ in range(2))
     matmul.mul_mat(got, wr, x, qr)
@@ -380,8 +400,8 @@ def test_mul_mat_id_rtr(name, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
-    E, A, M, K = 6, 3, 37, 224
-    w = quantize(rnd(E, M, K, seed=23), name)
+    E, A, M, K = 6, 3, 37, rtr_k(name)
+    w = rtr_weights((E, M), name, K, seed=23)
     wr, qr = repacked(w, name)
     x = rnd(T, A, K, seed=24)
     ids = expert_ids(T, A, E, seed=T)
@@ -398,7 +418,7 @@ def test_without_vnni():
     batched products leave gemm_i8 for dequantize + BLAS. The dots run through the one-item
     matrix-vector kernel: the parallel one would compile the same type dispatch again (~20 s)."""
     code = (
-        "import numpy as np, nbmoe\n"
+        "import sys, numpy as np, nbmoe\n"
         "from gguf import GGMLQuantizationType as Q\n"
         "from gguf.quants import quantize, dequantize\n"
         "from nbmoe.cpu import matmul, quants_int8\n"
@@ -420,6 +440,17 @@ def test_without_vnni():
         "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
         "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    w, x = qw(37, name), rng.standard_normal((2, 224), dtype=np.float32)\n"
+        "    wr, qr = repack_tensor(w, int(Q[name]))\n"
+        "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
+        "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"
+        "    matmul._mul_mat_vec_seq(ref, w, x, int(Q[name]), True)\n"
+        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
+        f"sys.path.insert(0, {TOOLS!r})\n"
+        "from ref_quant import random_blocks\n"
+        "for name, K in (('Q4_K', 512), ('IQ4_XS', 512), ('IQ4_NL', 224), ('MXFP4', 224)):\n"
+        "    w = np.ascontiguousarray(random_blocks(rng, 37 * K // 32 // (8 if name[-1] in 'KS' else 1), name)"
+        ".reshape(37, -1))\n"
+        "    x = rng.standard_normal((2, K), dtype=np.float32)\n"
         "    wr, qr = repack_tensor(w, int(Q[name]))\n"
         "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
         "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"

@@ -91,11 +91,15 @@ def test_kquant_and_iq_models_match_reference(tiny_model, qtype, monkeypatch):
     assert np.median(cos) >= 0.999
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+# the super-block types need rows of 256 values
+WIDE = dict(n_embd=256, head_dim=64, n_ff=256, n_ff_exp=256)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "MXFP4", "Q4_K", "IQ4_XS"])
 def test_repack_matches_plain(tiny_model, qtype):
     """-rtr (repack=True) gives the int8 path's logits and greedy tokens: the attention and
     expert matrices and the tied output layer repacked, the embedding left for GET_ROWS."""
-    path = tiny_model(**ARCHS["qwen3moe"], default_type=qtype)
+    path = tiny_model(**{**ARCHS["qwen3moe"], **(WIDE if qtype in ("Q4_K", "IQ4_XS") else {})}, default_type=qtype)
     plain = nbmoe.load(path, n_ctx=64, threads=2)
     rtr = nbmoe.load(path, n_ctx=64, threads=2, repack=True)
     assert "blk.0.ffn_down_exps.weight" in rtr.repacked and "output.weight" in rtr.repacked

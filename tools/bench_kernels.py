@@ -171,7 +171,7 @@ def main(argv=None):
     p.add_argument("--gemm", default="4096x4096", help="MxK list, T=512 batched product")
     p.add_argument("--copy-mb", type=float, default=400, help="MB of weight copies walked through")
     p.add_argument("--reps", type=int, default=2, help="walks per case (the best is kept)")
-    p.add_argument("--rtr", action="store_true", help="also the repacked layout of Q4_0 / Q4_1 / Q8_0 (-rtr)")
+    p.add_argument("--rtr", action="store_true", help="also the repacked layout (-rtr) of the types that have one")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = p.parse_args(argv)
     REPS = a.reps

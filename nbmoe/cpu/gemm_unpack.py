@@ -34,6 +34,8 @@ from .quants_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, _i
 from .quants_iq4 import IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
+from .quants_rtr_k import HEAD, M_AT, Q4_K_R16, REC, SC_AT
+from . import quants_rtr_xs as xs16
 from .simd import F32, I32, Rows, vec
 
 u32 = np.uint32
@@ -41,7 +43,7 @@ LO, BIAS = 0x0F0F0F0F, 0x80808080
 
 # Types whose scale changes every 16 values; types with a float offset per group.
 PER16 = (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M)
-HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q4_1_R16)
+HAS_M = (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q4_1_R16, Q4_K_R16)
 
 
 @njit(inline="always")
@@ -228,11 +230,12 @@ def unpack_block(typingctx, qt, P, w, roff, blk):
 @intrinsic
 def unpack_r16(typingctx, qt, P, w, o, B, blk):
     """Block blk of the repacked group at byte o of w's data (quants_rtr: qs [B][4 or 8][16][4]
-    then scales [B][16] f16, Q4_1 [B][d 16 | m 16]) into the panel P; qt the base type, constant."""
+    then scales [B][16] f16, Q4_1 [B][d 16 | m 16], MXFP4 [B][16] u8) into the panel P; qt the
+    base type, constant."""
     if not isinstance(qt, types.IntegerLiteral):
         return None
     base = qt.literal_value
-    qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 32)
+    qb, sb = (512, 32) if base == Q8_0 else (256, 64 if base == Q4_1 else 16 if base == MXFP4 else 32)
 
     def codegen(context, b, sig, args):
         _, P, w, o, B, blk = args
@@ -250,15 +253,85 @@ def unpack_r16(typingctx, qt, P, w, o, B, blk):
 
         def halfs(off):
             return b.fpext(load(sc, off, vec(ir.HalfType(), 16)), vec(F32, 16))
-        e.scale(0, halfs(0), halfs(32) if base == Q4_1 else None)
+        if base == MXFP4:                        # 2^(e - 128) as _iq4_nl
+            x = b.zext(load(sc, 0, vec(ir.IntType(8), 16)), vec(I32, 16))
+            small = b.icmp_unsigned("<", x, e.k(2))
+            bits = b.select(small, b.shl(e.k(0x00200000), x), e.shl(b.sub(x, e.k(1)), 23))
+            e.scale(0, b.bitcast(bits, vec(F32, 16)))
+        else:
+            e.scale(0, halfs(0), halfs(32) if base == Q4_1 else None)
         if base == Q8_0:                         # stored w ^ 0x80 already
             for k in range(8):
                 e.put(k, load(qs, 64 * k, vec(I32, 16)))
+        elif base in (IQ4_NL, MXFP4):
+            table = KV_MXFP4 if base == MXFP4 else KV_IQ4
+            _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
+                          lambda q, k, h: e.lut(q, table))
         else:
             _nibble_pairs(e, [load(qs, 64 * k, vec(I32, 16)) for k in range(4)], 0,
                           lambda q, k, h: e.add(q, 0x78787878) if base == Q4_0 else e.or_(q, BIAS))
         return context.get_dummy_value()
     return types.void(qt, P, w, o, B, blk), codegen
+
+
+@intrinsic
+def unpack_k_r16(typingctx, P, w, o, sb):
+    """Super-block sb of the repacked Q4_K group at byte o of w's data (quants_rtr_k: head
+    d [16] f16, dmin [16] f16, W [3][16] u32; qs [4][8][16][4]) into the panel's 8 records."""
+    def codegen(context, b, sig, args):
+        P, w, o, sb = args
+        e = Rows.__new__(Rows)
+        e.b, c, PW = b, Rows.c, record_words(32)
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
+
+        def load(off, ty):
+            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+        d, dmin = (b.fpext(load(off, vec(ir.HalfType(), 16)), vec(F32, 16)) for off in (0, 32))
+        W = [load(64 + 64 * k, vec(I32, 16)) for k in range(3)]
+        m7 = e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 28), 12), e.and_(e.shr(W[2], 26), 48))
+        ms = [e.bits(W[k], bit, 63) for k, bit in M_AT] + [m7]
+        for j, (k, bit) in enumerate(SC_AT):
+            e.scale(j, b.fmul(d, e.float(e.bits(W[k], bit, 63))), b.fneg(b.fmul(dmin, e.float(ms[j]))))
+        for ch in range(4):                      # sub-blocks 2 ch (low nibbles), 2 ch + 1 (high)
+            for k in range(8):
+                q = load(HEAD + 64 * (8 * ch + k), vec(I32, 16))
+                e.put(8 * 2 * ch + k, e.or_(e.and_(q, LO), BIAS))
+                e.put(8 * (2 * ch + 1) + k, e.or_(e.bits(q, 4, LO), BIAS))
+        return context.get_dummy_value()
+    return types.void(P, w, o, sb), codegen
+
+
+@intrinsic
+def unpack_xs_r16(typingctx, P, w, o, sb):
+    """Super-block sb of the repacked IQ4_XS group at byte o of w's data (quants_rtr_xs: head
+    d [16] f16, L [16] u32, H [16] u16; qs [8][4][16][4]) into the panel's 8 records."""
+    def codegen(context, b, sig, args):
+        P, w, o, sb = args
+        e = Rows.__new__(Rows)
+        e.b, c, PW = b, Rows.c, record_words(32)
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, b, args[i]).data
+        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(xs16.REC)))])
+
+        def load(off, ty):
+            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+        d = b.fpext(load(0, vec(ir.HalfType(), 16)), vec(F32, 16))
+        W = [load(32, vec(I32, 16)), b.zext(load(96, vec(ir.IntType(16), 16)), vec(I32, 16))]
+        ls = [e.bits(W[k], bit, 63) for k, bit in xs16.LS_AT] + [e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 10), 60))]
+        for j in range(8):
+            e.scale(j, b.fmul(d, e.float(e.add(ls[j], -32))))
+            for k in range(4):
+                q = load(xs16.HEAD + 64 * (4 * j + k), vec(I32, 16))
+                e.put(8 * j + k, e.lut(e.and_(q, LO), KV_IQ4))
+                e.put(8 * j + 4 + k, e.lut(e.bits(q, 4, LO), KV_IQ4))
+        return context.get_dummy_value()
+    return types.void(P, w, o, sb), codegen
 
 
 # ---------------------------------------------------------------- grid IQ types
@@ -325,7 +398,7 @@ def _blocks(qt, P, w, roff):
 
 @njit(inline="always")
 def _r16(qt, P, w, r0):
-    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    size = 18 if qt == Q4_0 or qt == IQ4_NL else 20 if qt == Q4_1 else 17 if qt == MXFP4 else 34
     B = w.shape[1] // size
     for blk in range(B):
         unpack_r16(qt, P, w, r0 * w.shape[1], B, blk)
@@ -340,10 +413,20 @@ def unpack(qtype, P, w, r0, nr):
         roff[r] = (r0 + min(r, nr - 1)) * w.shape[1]
     qt = base_of(qtype) if qtype in R16_TYPES else qtype
     if qtype in R16_TYPES and nr == GROUP:
-        if qt == Q4_0:
+        if qt == Q4_K:
+            for sb in range(w.shape[1] // 144):
+                unpack_k_r16(P, w, r0 * w.shape[1], sb)
+        elif qt == IQ4_XS:
+            for sb in range(w.shape[1] // 136):
+                unpack_xs_r16(P, w, r0 * w.shape[1], sb)
+        elif qt == Q4_0:
             _r16(Q4_0, P, w, r0)
         elif qt == Q4_1:
             _r16(Q4_1, P, w, r0)
+        elif qt == IQ4_NL:
+            _r16(IQ4_NL, P, w, r0)
+        elif qt == MXFP4:
+            _r16(MXFP4, P, w, r0)
         else:
             _r16(Q8_0, P, w, r0)
     elif qt == Q4_0:                             # (R16: the tail rows keep the GGUF layout)

@@ -22,10 +22,11 @@ Three paths, chosen per call by the number of tokens T sharing a weight matrix:
 `mul_mat_plain` (decode a row to float32, dot it) is the plain reference all are tested
 against. Kernels take qtype as an int and branch inside, so each compiles once for all types.
 
-Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 rewritten at load time into groups
-of 16 interleaved rows, with their own qtype ids (R16_TYPES). Every entry point takes them:
-matrix-vector by quants_rtr's kernel (always integer dots), gemm_i8 (a group is a panel) or
-decode for BLAS, get_rows and mul_mat_plain by its decoder. Work items then hold whole groups
+Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL / IQ4_XS / MXFP4
+rewritten at load time into groups of 16 interleaved rows, with their own qtype ids
+(R16_TYPES). Every entry point takes them: matrix-vector by quants_rtr's kernels (always
+integer dots), gemm_i8 (a group is a panel) or decode for BLAS, get_rows and mul_mat_plain by
+their decoders. Work items then hold whole groups
 (multiples of 16 rows).
 
 Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool (whose threads spin
@@ -41,8 +42,11 @@ from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_1, Q5_1
 from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x, x_extra_words
-from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, dequant_row_r16,
-                         dequant_rows_r16, dot_rows_r16)
+from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, block_biases, dequant_row_r16,
+                         dequant_rows_r16, dot_rows_r16, level_bias)
+from .quants_rtr_k import Q4_K_R16, prepare_xk
+from .quants_rtr_xs import IQ4_XS_R16
+from .quants_rtr_xs import prepare_xk as prepare_xk_xs
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
 # (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
@@ -119,7 +123,9 @@ def int8_path(qtype, n_tokens):
 # or the int8 path's quantized x: xq [N, K], scales xd [N, B], xs [N, B] (quants_int8), and
 # the type's extras xb [N, x_extra_words] int32 (Q5_0 / Q8_0: lane biases; Q4_0: quants_q4x's
 # record; IQ4_*, MXFP4: x rearranged), for Q4_1 / Q5_1 the (xd, xs) pairs xds [N, 2B]
-# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B].
+# (quants_int8.prepare_blocks), for repacked Q4_0 / Q8_0 xb followed by block biases [N, B]
+# (IQ4_*, MXFP4: quants_rtr.block_biases), for repacked Q4_K / IQ4_XS xds the x scales of
+# quants_rtr_k / quants_rtr_xs.prepare_xk.
 # The unused ones are empty.
 
 @njit(cache=True, error_model="numpy")
@@ -134,11 +140,18 @@ def _prepare_x(x, int8, qtype):
     xs = np.empty((N, B if int8 else 0), np.float32)
     nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 else 0
     xb = np.empty((N, nb), np.int32)
-    xds = np.empty((N, 2 * B if int8 and (qt == Q4_1 or qt == Q5_1) else 0), np.float32)
+    scales = qt == Q4_1 or qt == Q5_1 or qtype == Q4_K_R16 or qtype == IQ4_XS_R16
+    xds = np.empty((N, 2 * B if int8 and scales else 0), np.float32)
     for n in range(N):
         if int8:
             quantize_x(xq[n], xd[n], xs[n], x[n])
             prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
+            if qtype == Q4_K_R16:
+                prepare_xk(xds[n], xd[n], xs[n])
+            elif qtype == IQ4_XS_R16:
+                prepare_xk_xs(xds[n], xd[n])
+            if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
+                block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
         else:
             for b in range(B):
                 for i in range(32):

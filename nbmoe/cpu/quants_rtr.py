@@ -1,5 +1,6 @@
-"""Run-time repacking (-rtr): Q4_0 / Q4_1 / Q8_0 weights rewritten at load time into groups
-of 16 rows interleaved block by block, and the integer matrix-vector kernel that reads them.
+"""Run-time repacking (-rtr): Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 weights rewritten at load time
+into groups of 16 rows interleaved block by block, and the integer matrix-vector kernel that
+reads them (Q4_K: quants_rtr_k, IQ4_XS: quants_rtr_xs, dispatched from here).
 
 Letters: M rows, K values per row, B = K / 32 blocks per row, G = M // 16 full groups of
 16 rows; r = 0..15 a row of its group (= a 32-bit lane of a 512-bit register).
@@ -15,6 +16,8 @@ Layout. A repacked tensor has the GGUF tensor's shape [..., M, row_bytes] and by
 group g (a block of 16 rows) takes the bytes of rows 16g..16g+15, rewritten as
 
   Q4_0, Q4_1:  qs [B][4][16][4]  then  scales [B][16] f16 d (Q4_1: [B][d 16 | m 16])
+  IQ4_NL:      qs [B][4][16][4]  then  scales [B][16] f16 d
+  MXFP4:       qs [B][4][16][4]  then  scales [B][16] u8 e (E8M0)
   Q8_0:        qs [B][8][16][4]  then  scales [B][16] f16 d
 
   qs of block b, 256 bytes (Q8_0: 512), as four (eight) 64-byte vectors k:
@@ -24,23 +27,28 @@ group g (a block of 16 rows) takes the bytes of rows 16g..16g+15, rewritten as
   Q4: the GGUF byte j of a row holds value j (low nibble) and j + 16 (high nibble), so vector
       k & 0x0F gives values 4k..4k+3 of every row and & 0xF0 values 16+4k..16+4k+3 (times 16).
   Q8: the signed codes stored + 128 (w ^ 0x80) so they are unsigned for vpdpbusd.
+  IQ4_NL, MXFP4: the nibbles index a table of 16 levels (vpshufb on q & 0x0F, q >> 4 & 0x0F),
+      stored + 128 / + 12 so they are unsigned (quants_iq4's tables).
 
-Sizes: Q4_0 16 x 18 = 256 + 32, Q4_1 16 x 20 = 256 + 64, Q8_0 16 x 34 = 512 + 32 bytes a
-block of a group: nothing grows, and with B even (K % 64 == 0) every qs vector is 64-byte
-aligned when the tensor is. Rows past the last full group (M % 16) keep the GGUF layout and
+Sizes: Q4_0, IQ4_NL 16 x 18 = 256 + 32, Q4_1 16 x 20 = 256 + 64, MXFP4 16 x 17 = 256 + 16,
+Q8_0 16 x 34 = 512 + 32 bytes a block of a group: nothing grows, and with B even (K % 64 == 0)
+every qs vector is 64-byte aligned when the tensor is. Rows past the last full group (M % 16) keep the GGUF layout and
 go through the plain kernels (the "tail"). A repacked tensor has its own qtype id (R16
 below), so every kernel that gets it knows its layout.
 
 Equation (block b of row r; xq, xd, xs from quantize_x, sums = the block's sum of xq):
   Q4_0  d_r * xd_b * (sum_k q_rk xq_k - 8 sums_b)       Q8_0: -128 instead of -8
   Q4_1  d_r * xd_b * sum_k q_rk xq_k + m_r * xs_b
-The -8 / -128 term starts the int32 lanes (xbb[b] = -bias * sums_b, from prepare_blocks), so
-each block is: 8 vpdpbusd (CHAINS chains), 1 shift + 3 adds, f16 -> f32 scales, 1 mul,
-1 FMA (Q4_1 + 1 FMA). Parallel over groups of rows (the matmul drivers' work items hold whole groups).
+  IQ4_NL, MXFP4  d_r * xd_b * (sum_k (level(q_rk) + bias) xq_k - bias sums_b), bias 128 / 12
+The -bias term starts the int32 lanes (xbb[b] = -bias * sums_b, from prepare_blocks or
+block_biases), so each block is: 8 vpdpbusd (CHAINS chains), 1 shift + 3 adds, f16 -> f32
+scales, 1 mul, 1 FMA (Q4_1 + 1 FMA; the table types + 4 shifts, 4 and, 8 vpshufb). Parallel
+over groups of rows (the matmul drivers' work items hold whole groups).
 
 Also here: `repack` (load time, parallel over groups), `dequant_row_r16` (the plain loop:
 get_rows, mul_mat_plain, the tests' reference) and `dequant_rows_r16` (the BLAS path's tile
-decoder in IR: a 64-byte vector of codes to 64 floats at a time, stored 4 per row).
+decoder in IR: a 64-byte vector of codes to 64 floats at a time, stored 4 per row; the table
+types and the super-block ones by their plain loops).
 """
 import numpy as np
 from llvmlite import ir
@@ -48,18 +56,24 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import quants_rtr_k, quants_rtr_xs
 from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
 from .quants_int8 import _dot4_init, dot_rows_i8
-from .simd import PREFETCH
+from .quants_iq4 import _IQ4_U8, _MXFP4_U8, IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half
+from .quants_k import Q4_K
+from .quants_rtr_k import Q4_K_R16, dequant_rows_q4_k_r16, dot_rows_q4_k_r16
+from .quants_rtr_xs import IQ4_XS_R16, dequant_rows_iq4_xs_r16, dot_rows_iq4_xs_r16
+from .simd import PREFETCH, lut
 
 GROUP = 16
 u64 = np.uint64
 # Independent int32 chains per block (their vpdpbusd are dependent, 5 cycles each): 2 -> 4
 # took Q4_0 in L2 from ~1.2 to ~1.05 cycles a row-block (1 thread, shared VM).
 CHAINS = 4
-# The repacked layouts' qtype ids (not GGML types) and their GGUF originals.
-Q4_0_R16, Q4_1_R16, Q8_0_R16 = 1002, 1003, 1008
-R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16}
+# The repacked layouts' qtype ids (not GGML types) and their GGUF originals (Q4_K: quants_rtr_k).
+Q4_0_R16, Q4_1_R16, Q8_0_R16, IQ4_NL_R16, MXFP4_R16 = 1002, 1003, 1008, 1020, 1039
+R16 = {Q4_0: Q4_0_R16, Q4_1: Q4_1_R16, Q8_0: Q8_0_R16, Q4_K: Q4_K_R16, IQ4_NL: IQ4_NL_R16, MXFP4: MXFP4_R16,
+       IQ4_XS: IQ4_XS_R16}
 BASE = {v: k for k, v in R16.items()}
 R16_TYPES = tuple(BASE)
 
@@ -70,11 +84,21 @@ _I1, _I8, _I16, _I32, _I64, _F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16)
 @njit(inline="always")
 def layout(qt):
     """(GGUF block bytes, offset of qs in it, group qs bytes per block, group scale bytes per block)."""
-    if qt == Q4_0:
+    if qt == Q4_0 or qt == IQ4_NL:
         return 18, 2, 256, 32
     if qt == Q4_1:
         return 20, 4, 256, 64
+    if qt == MXFP4:
+        return 17, 1, 256, 16
+    if qt == Q4_K or qt == IQ4_XS:     # (quants_rtr_k, quants_rtr_xs: size only)
+        return 144 if qt == Q4_K else 136, 0, 0, 0
     return 34, 2, 512, 32
+
+
+@njit(inline="always")
+def level_bias(qt):
+    """The offset of the repacked table types' stored levels (0 for the others)."""
+    return 128 if qt == IQ4_NL or qt == IQ4_XS else 12 if qt == MXFP4 else 0
 
 
 # ---------------------------------------------------------------- repack (load time)
@@ -101,6 +125,9 @@ def repack(out, w, qt):
                     for i in range(4):
                         dst[do + u64(i)] = src[so + u64(i)] ^ flip
             for r in range(GROUP):
+                if qt == MXFP4:                                                       # e
+                    dst[s + u64(r)] = src[u64(r * rb) + o]
+                    continue
                 so, do = u64(r * rb) + o, s + u64(2 * r)
                 dst[do], dst[do + u64(1)] = src[so], src[so + u64(1)]                     # d
                 if qt == Q4_1:
@@ -110,13 +137,18 @@ def repack(out, w, qt):
 
 
 def repack_tensor(w, qtype):
-    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (Q4_0 / Q4_1 / Q8_0),
+    """A repacked copy of GGUF weights w [..., M, row_bytes] of qtype (a key of R16),
     64-byte aligned, and its qtype id."""
     a = w.reshape((-1,) + w.shape[-2:])
     raw = np.empty(w.nbytes + 64, np.uint8)
     start = -raw.ctypes.data % 64
     out = raw[start:start + w.nbytes].reshape(a.shape)
-    repack(out, a, int(qtype))
+    if int(qtype) == Q4_K:
+        quants_rtr_k.repack_q4_k(out, a)
+    elif int(qtype) == IQ4_XS:
+        quants_rtr_xs.repack_iq4_xs(out, a)
+    else:
+        repack(out, a, int(qtype))
     return out.reshape(w.shape), R16[int(qtype)]
 
 
@@ -127,12 +159,16 @@ def decode_block(qt, v, grp, B, b, r):
     """v [32] <- block b of row r of a group's bytes grp (base type qt), a value at a time."""
     size, qo, qb, sb = layout(qt)
     s = u64(B * qb + b * sb + 2 * r)
-    d = load_f16(grp, s)
+    d = e8m0_half(grp[u64(B * qb + b * sb + r)]) if qt == MXFP4 else load_f16(grp, s)
     m = load_f16(grp, s + u64(32)) if qt == Q4_1 else f32(0)
     for k in range(qb // 64):
         for i in range(4):
             q = grp[u64(b * qb + 64 * k + 4 * r + i)]
-            if qt == Q8_0:
+            if qt == IQ4_NL or qt == MXFP4:
+                kv = KV_IQ4 if qt == IQ4_NL else KV_MXFP4
+                v[4 * k + i] = d * kv[q & np.uint8(15)]
+                v[16 + 4 * k + i] = d * kv[q >> np.uint8(4)]
+            elif qt == Q8_0:
                 v[4 * k + i] = d * f32(np.int32(q) - 128)
             elif qt == Q4_0:
                 v[4 * k + i] = d * (f32(np.int32(q & np.uint8(15))) - f32(8))
@@ -239,8 +275,15 @@ def dequant_rows_r16(qtype, out, w):
         _decode_q4_0(out, w)
     elif qtype == Q4_1_R16:
         _decode_q4_1(out, w)
-    else:
+    elif qtype == Q8_0_R16:
         _decode_q8_0(out, w)
+    elif qtype == Q4_K_R16:
+        dequant_rows_q4_k_r16(out, w)
+    elif qtype == IQ4_XS_R16:
+        dequant_rows_iq4_xs_r16(out, w)
+    else:                    # IQ4_NL, MXFP4: the plain loop, a row at a time
+        for r in range(w.shape[0]):
+            dequant_row_r16(qtype, out[r], w, r)
 
 
 @njit(cache=True, error_model="numpy")
@@ -249,7 +292,11 @@ def dequant_row_r16(qtype, out, w, row):
     qt = base_of(qtype)
     size = layout(qt)[0]
     B, g = w.shape[1] // size, row // GROUP
-    if g < w.shape[0] // GROUP:
+    if g < w.shape[0] // GROUP and qt == Q4_K:
+        quants_rtr_k.decode_row(out, group_bytes(w, g), row % GROUP)
+    elif g < w.shape[0] // GROUP and qt == IQ4_XS:
+        quants_rtr_xs.decode_row(out, group_bytes(w, g), row % GROUP)
+    elif g < w.shape[0] // GROUP:
         grp = group_bytes(w, g)
         for b in range(B):
             v = block32()
@@ -262,7 +309,21 @@ def dequant_row_r16(qtype, out, w, row):
 
 @njit(inline="always")
 def base_of(qtype):
-    return Q4_0 if qtype == Q4_0_R16 else Q4_1 if qtype == Q4_1_R16 else Q8_0
+    if qtype == Q4_0_R16 or qtype == Q4_1_R16 or qtype == Q8_0_R16:
+        return Q4_0 if qtype == Q4_0_R16 else Q4_1 if qtype == Q4_1_R16 else Q8_0
+    if qtype == Q4_K_R16 or qtype == IQ4_XS_R16:
+        return Q4_K if qtype == Q4_K_R16 else IQ4_XS
+    return IQ4_NL if qtype == IQ4_NL_R16 else MXFP4
+
+
+@njit(inline="always")
+def block_biases(xbb, xq, bias):
+    """xbb [B] int32 <- -bias * (sum of xq over each 32-block): the table types' lane starts."""
+    for b in range(xbb.shape[0]):
+        s = np.int32(0)
+        for i in range(32):
+            s += np.int32(xq[32 * b + i])
+        xbb[b] = -np.int32(bias) * s
 
 
 # ---------------------------------------------------------------- the kernel
@@ -270,7 +331,7 @@ def base_of(qtype):
 def _emit_group_block(context, b, sig, args, qt):
     """acc[0:16] += the 16 rows' dots of block `blk` of the group at byte o (see the top)."""
     _, acc, w, o, B, xq, xd, xs, xbb, blk = args
-    qb, sb = {Q4_0: (256, 32), Q4_1: (256, 64), Q8_0: (512, 32)}[qt]
+    qb, sb = {Q4_0: (256, 32), Q4_1: (256, 64), Q8_0: (512, 32), IQ4_NL: (256, 32), MXFP4: (256, 16)}[qt]
 
     def data(i):
         return context.make_array(sig.args[i])(context, b, args[i]).data
@@ -312,6 +373,20 @@ def _emit_group_block(context, b, sig, args, qt):
         while len(ch) > 1:
             ch = [b.add(ch[i], ch[i + 1]) for i in range(0, len(ch), 2)]
         dot = ch[0]
+    elif qt in (IQ4_NL, MXFP4):   # levels + bias of the low nibbles (values 4k..), the high (16 + 4k..)
+        table = _IQ4_U8 if qt == IQ4_NL else _MXFP4_U8
+        ch = [init] + [zero] * (nc - 1)
+        for k in range(4):
+            q = load(qs, 64 * k, v64)
+            hi4 = b.bitcast(b.lshr(b.bitcast(q, ir.VectorType(ir.IntType(16), 32)), vconst(ir.VectorType(
+                ir.IntType(16), 32), 4)), v64)
+            lo = lut(b, table, b.and_(q, vconst(v64, 0x0F)))
+            hi = lut(b, table, b.and_(hi4, vconst(v64, 0x0F)))
+            ch[(2 * k) % nc] = _dot4_init(b, ch[(2 * k) % nc], lo, xword(k))
+            ch[(2 * k + 1) % nc] = _dot4_init(b, ch[(2 * k + 1) % nc], hi, xword(4 + k))
+        while len(ch) > 1:
+            ch = [b.add(ch[i], ch[i + 1]) for i in range(0, len(ch), 2)]
+        dot = ch[0]
     else:            # low nibbles: values 4k.., high nibbles (x 16): values 16 + 4k..
         h = nc // 2
         lo, hi = [init] + [zero] * (h - 1), [zero] * h
@@ -323,7 +398,13 @@ def _emit_group_block(context, b, sig, args, qt):
             lo, hi = [b.add(lo[0], lo[1])] + lo[2:], [b.add(hi[0], hi[1])] + hi[2:]
         dot = b.add(lo[0], b.ashr(hi[0], vconst(v16i, 4)))
     half16 = ir.VectorType(ir.HalfType(), 16)
-    d = b.fpext(load(sc, 0, half16), v16f)
+    if qt == MXFP4:  # 2^(e - 128) as quants_iq4.e8m0_half (a denormal for e < 2)
+        e = b.zext(load(sc, 0, ir.VectorType(_I8, 16)), v16i)
+        small = b.shl(vconst(v16i, 0x00200000), e)
+        big = b.shl(b.sub(e, vconst(v16i, 1)), vconst(v16i, 23))
+        d = b.bitcast(b.select(b.icmp_unsigned("<", e, vconst(v16i, 2)), small, big), v16f)
+    else:
+        d = b.fpext(load(sc, 0, half16), v16f)
     s = b.fmul(d, splat(b.load(b.gep(data(6), [blk])), 16))
     term = b.fmul(b.sitofp(dot, v16f), s, flags=("contract",))
     if qt == Q4_1:
@@ -337,8 +418,8 @@ def _emit_group_block(context, b, sig, args, qt):
 @intrinsic
 def acc_group(typingctx, qt, acc, w, o, B, xq, xd, xs, xbb, blk):
     """acc[0:16] += block blk of the 16 rows of the group at byte o of w's data, dotted with x;
-    qt (Q4_0 / Q4_1 / Q8_0) a compile-time constant; B blocks per row; x: xq [K], xd [B],
-    xs [B] (Q4_1), xbb [B] int32 block biases (Q4_0, Q8_0)."""
+    qt (Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4) a compile-time constant; B blocks per row; x: xq [K],
+    xd [B], xs [B] (Q4_1), xbb [B] int32 block biases (the others)."""
     if not isinstance(qt, types.IntegerLiteral):
         return None
 
@@ -352,7 +433,7 @@ def acc_group(typingctx, qt, acc, w, o, B, xq, xd, xs, xbb, blk):
 def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x; xb holds the
     plain kernel's x extras and then the block biases [B] (prepare_blocks)."""
-    size = 18 if qt == Q4_0 else 20 if qt == Q4_1 else 34
+    size = layout(qt)[0]
     rb = w.strides[0]
     B = w.shape[1] // size
     G = w.shape[0] // GROUP
@@ -384,6 +465,16 @@ def dot_rows_q8_0_r16(out, w, xq, xd, xs, xb, xds):
     dot_groups(Q8_0, out, w, xq, xd, xs, xb, xds)
 
 
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_iq4_nl_r16(out, w, xq, xd, xs, xb, xds):
+    dot_groups(IQ4_NL, out, w, xq, xd, xs, xb, xds)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def dot_rows_mxfp4_r16(out, w, xq, xd, xs, xb, xds):
+    dot_groups(MXFP4, out, w, xq, xd, xs, xb, xds)
+
+
 @njit(cache=True, error_model="numpy")
 def dot_rows_r16(qtype, out, w, xq, xd, xs, xb, xds):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x."""
@@ -393,3 +484,11 @@ def dot_rows_r16(qtype, out, w, xq, xd, xs, xb, xds):
         dot_rows_q4_1_r16(out, w, xq, xd, xs, xb, xds)
     elif qtype == Q8_0_R16:
         dot_rows_q8_0_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == Q4_K_R16:   # xds: quants_rtr_k.prepare_xk's x scales
+        dot_rows_q4_k_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == IQ4_NL_R16:
+        dot_rows_iq4_nl_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == MXFP4_R16:
+        dot_rows_mxfp4_r16(out, w, xq, xd, xs, xb, xds)
+    elif qtype == IQ4_XS_R16:   # xds: quants_rtr_xs.prepare_xk's x scales
+        dot_rows_iq4_xs_r16(out, w, xq, xd, xs, xb, xds)

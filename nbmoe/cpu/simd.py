@@ -54,6 +54,24 @@ def const(elt, values):
     return ir.Constant(vec(elt, len(values)), list(values))
 
 
+def lut(b, table, idx):
+    """table[idx] per byte (vpshufb, as wide as the CPU has it); table: 16 byte values, idx:
+    <n x i8> in 0..15, n a multiple of 16."""
+    n = idx.type.count
+    width = 64 if n % 64 == 0 and HAS_AVX512BW else 32 if n % 32 == 0 and HAS_AVX2 else 16
+    name = {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b",
+            16: "llvm.x86.ssse3.pshuf.b.128"}[width]
+    ty = vec(I8, width)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ty, [ty, ty]), name)
+    tab = const(I8, [t & 255 for t in table] * (width // 16))
+    out = [b.call(fn, [tab, b.shuffle_vector(idx, idx, const(I32, range(i, i + width)))])
+           for i in range(0, n, width)]
+    while len(out) > 1:
+        m = out[0].type.count
+        out = [b.shuffle_vector(out[i], out[i + 1], const(I32, range(2 * m))) for i in range(0, len(out), 2)]
+    return out[0]
+
+
 class Emit:
     """IR helpers for one block of one row; see the module docstring for the arguments."""
 
@@ -176,16 +194,7 @@ class Emit:
 
     def lut(self, table, idx):
         """table[idx] per byte; table: 16 byte values, idx: <n x i8> in 0..15."""
-        n = idx.type.count
-        width = 64 if n % 64 == 0 and HAS_AVX512BW else 32 if n % 32 == 0 and HAS_AVX2 else 16
-        name = {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b",
-                16: "llvm.x86.ssse3.pshuf.b.128"}[width]
-        ty = vec(I8, width)
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ty, [ty, ty]), name)
-        tab = const(I8, [t & 255 for t in table] * (width // 16))
-        out = [self.b.call(fn, [tab, self.b.shuffle_vector(idx, idx, const(I32, range(i, i + width)))])
-               for i in range(0, n, width)]
-        return self.cat(*out)
+        return lut(self.b, table, idx)
 
     def dot(self, codes, x, init=None):
         """<n/4 x i32>: lane k = init[k] + sum over i < 4 of codes[4k + i] (unsigned) * x[4k + i]
