@@ -18,8 +18,8 @@ record b (super-block b of the 16 rows):
 
 Equation (row r, super-block b): out[r] = sum_b d * sum_j float(dot_j) * (ls_j - 32) * xd_j,
   dot_j = sum over the sub-block of (KV_IQ4[q] + 128) * xq - 128 * (sum of xq)
-one vpdpbusd chain per sub-block, started at the block bias -128 * sum (xb's tail, as
-quants_rtr's IQ4_NL), the levels + 128 by vpshufb. A scale is taken as
+two vpdpbusd chains per sub-block (low, high nibbles), one started at the block bias -128 * sum
+(xb's tail, as quants_rtr's IQ4_NL), the levels + 128 by vpshufb. A scale is taken as
 float(field << bit) - 32 * 2^bit (exact); xk [K / 32] = xd_j 2^-bit (prepare_xk).
 Per record: 32 loads, 32 shifts, 64 and, 64 vpshufb, 64 vpdpbusd; 8 and + 9 conversions +
 8 subtractions for the scales, 8 conversions, 8 mul, 8 FMA, 1 vcvtph2ps + 1 FMA.
