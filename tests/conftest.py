@@ -6,6 +6,7 @@
         path = tiny_model("qwen3", types=[("attn_", "F16")], default_type="Q4_0")
 """
 import os
+import subprocess
 import sys
 
 import pytest
@@ -61,3 +62,42 @@ def smollm2_moe(smollm2_path, tmp_path_factory):
     from nbmoe.upcycle import upcycle
     path = str(tmp_path_factory.mktemp("smollm2") / "smollm2-moe.gguf")
     return upcycle(smollm2_path, path, n_expert=N_EXPERT, n_expert_used=N_EXPERT_USED)
+
+
+# ---------------------------------------------------------------- subprocess tests started early
+# A test whose work is one long subprocess (a cold compile in a fresh interpreter) can have it
+# started as soon as the session has collected it: it then runs on the other core while the
+# session's other tests run (CI has two; the main process mostly keeps one busy). The test
+# gets the process from the `early_process` fixture and waits for it.
+
+_EARLY = {}
+
+
+def early(*argv, **env):
+    """Decorator: start `argv` (with `env` set in the environment; None: removed) when the
+    test is collected; the test takes `early_process` (a subprocess.Popen, text pipes)."""
+    def mark(fn):
+        fn._early = (argv, env)
+        return fn
+    return mark
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        spec = getattr(getattr(item, "function", None), "_early", None)
+        if spec is not None and item.nodeid not in _EARLY:
+            argv, env = spec
+            env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+            _EARLY[item.nodeid] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, text=True)
+
+
+def pytest_sessionfinish(session):
+    for proc in _EARLY.values():           # a run stopped early (-x, Ctrl-C): no orphans
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture
+def early_process(request):
+    return _EARLY[request.node.nodeid]

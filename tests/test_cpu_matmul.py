@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import early
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -309,15 +310,6 @@ def test_mat_vec_on_one_thread(name, monkeypatch):
     assert max_rel(one, (x_rounded(x) if int8 else x.astype(np.float64)) @ ref_dequant(w, name, K).T) < RTOL
 
 
-def run_without_vnni(code):
-    """Run `code` in a fresh interpreter with NBMOE_NO_VNNI=1 (the choice is made at import);
-    it must print 'ok'."""
-    env = dict(os.environ, NBMOE_NO_VNNI="1")
-    env.pop("NUMBA_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
-
-
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
 # layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); IQ4_NL, MXFP4 and Q4_K
@@ -412,49 +404,54 @@ def test_mul_mat_id_rtr(name, T, monkeypatch):
     assert max_rel(got, ref_mul_mat_id(w, name, x, ids, rounded=True)) < RTOL
 
 
-def test_without_vnni():
-    """Without VNNI (NBMOE_NO_VNNI=1), in one fresh interpreter (its kernels compile cold): the
-    portable dot4 (widen, multiply, add pairs) gives the int8 sums, plain and repacked, and
-    batched products leave gemm_i8 for dequantize + BLAS. The dots run through the one-item
-    matrix-vector kernel: the parallel one would compile the same type dispatch again (~20 s)."""
-    code = (
-        "import sys, numpy as np, nbmoe\n"
-        "from gguf import GGMLQuantizationType as Q\n"
-        "from gguf.quants import quantize, dequantize\n"
-        "from nbmoe.cpu import matmul, quants_int8\n"
-        "from nbmoe.cpu.quants_rtr import repack_tensor\n"
-        "assert not quants_int8.HAS_VNNI\n"
-        "assert not matmul.GEMM_I8 and not matmul.batched_int8(Q.Q4_0)\n"
-        "assert not matmul.int8_path(Q.Q4_0, 17)\n"
-        "rng = np.random.default_rng(0)\n"
-        "def qw(m, name):\n"
-        "    w = rng.standard_normal((m, 224), dtype=np.float32)\n"
-        "    return np.ascontiguousarray(quantize(w, Q[name]).view(np.uint8))\n"
-        "def exact(w, name, x):\n"
-        "    return x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
-        "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
-        "    w, x = qw(7, name), rng.standard_normal((1, 224), dtype=np.float32)\n"
-        "    out = np.empty((1, 7), np.float32)\n"
-        "    matmul._mul_mat_vec_seq(out, w, x, int(Q[name]), True)\n"
-        "    ref = exact(w, name, x)\n"
-        "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
-        "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
-        "    w, x = qw(37, name), rng.standard_normal((2, 224), dtype=np.float32)\n"
-        "    wr, qr = repack_tensor(w, int(Q[name]))\n"
-        "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
-        "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"
-        "    matmul._mul_mat_vec_seq(ref, w, x, int(Q[name]), True)\n"
-        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
-        f"sys.path.insert(0, {TOOLS!r})\n"
-        "from ref_quant import random_blocks\n"
-        "for name, K in (('Q4_K', 512), ('IQ4_XS', 512), ('IQ4_NL', 224), ('MXFP4', 224)):\n"
-        "    w = np.ascontiguousarray(random_blocks(rng, 37 * K // 32 // (8 if name[-1] in 'KS' else 1), name)"
-        ".reshape(37, -1))\n"
-        "    x = rng.standard_normal((2, K), dtype=np.float32)\n"
-        "    wr, qr = repack_tensor(w, int(Q[name]))\n"
-        "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
-        "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"
-        "    matmul._mul_mat_vec_seq(ref, w, x, int(Q[name]), True)\n"
-        "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
-        "print('ok')\n")
-    run_without_vnni(code)
+NO_VNNI_CODE = (
+    "import sys, numpy as np, nbmoe\n"
+    "from gguf import GGMLQuantizationType as Q\n"
+    "from gguf.quants import quantize, dequantize\n"
+    "from nbmoe.cpu import matmul, quants_int8\n"
+    "from nbmoe.cpu.quants_rtr import repack_tensor\n"
+    "assert not quants_int8.HAS_VNNI\n"
+    "assert not matmul.GEMM_I8 and not matmul.batched_int8(Q.Q4_0)\n"
+    "assert not matmul.int8_path(Q.Q4_0, 17)\n"
+    "rng = np.random.default_rng(0)\n"
+    "def qw(m, name):\n"
+    "    w = rng.standard_normal((m, 224), dtype=np.float32)\n"
+    "    return np.ascontiguousarray(quantize(w, Q[name]).view(np.uint8))\n"
+    "def exact(w, name, x):\n"
+    "    return x.astype(np.float64) @ dequantize(w, Q[name]).astype(np.float64).T\n"
+    "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
+    "    w, x = qw(7, name), rng.standard_normal((1, 224), dtype=np.float32)\n"
+    "    out = np.empty((1, 7), np.float32)\n"
+    "    matmul._mul_mat_vec_seq(out, w, x, int(Q[name]), True)\n"
+    "    ref = exact(w, name, x)\n"
+    "    assert np.abs(out - ref).max() < 1.5e-2 * np.abs(ref).max(), name\n"
+    "for name in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+    "    w, x = qw(37, name), rng.standard_normal((2, 224), dtype=np.float32)\n"
+    "    wr, qr = repack_tensor(w, int(Q[name]))\n"
+    "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
+    "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"
+    "    matmul._mul_mat_vec_seq(ref, w, x, int(Q[name]), True)\n"
+    "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
+    f"sys.path.insert(0, {TOOLS!r})\n"
+    "from ref_quant import random_blocks\n"
+    "for name, K in (('Q4_K', 512), ('IQ4_XS', 512), ('IQ4_NL', 224), ('MXFP4', 224)):\n"
+    "    w = np.ascontiguousarray(random_blocks(rng, 37 * K // 32 // (8 if name[-1] in 'KS' else 1), name)"
+    ".reshape(37, -1))\n"
+    "    x = rng.standard_normal((2, K), dtype=np.float32)\n"
+    "    wr, qr = repack_tensor(w, int(Q[name]))\n"
+    "    out, ref = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)\n"
+    "    matmul._mul_mat_vec_seq(out, wr, x, qr, True)\n"
+    "    matmul._mul_mat_vec_seq(ref, w, x, int(Q[name]), True)\n"
+    "    assert np.abs(out - ref).max() < 2e-6 * np.abs(ref).max(), 'rtr ' + name\n"
+    "print('ok')\n")
+
+
+@early(sys.executable, "-c", NO_VNNI_CODE, NBMOE_NO_VNNI="1", NUMBA_CACHE_DIR=None)
+def test_without_vnni(early_process):
+    """Without VNNI (NBMOE_NO_VNNI=1), in one fresh interpreter (its kernels compile cold; it
+    starts when collected, conftest.early): the portable dot4 (widen, multiply, add pairs)
+    gives the int8 sums, plain and repacked, and batched products leave gemm_i8 for
+    dequantize + BLAS. The dots run through the one-item matrix-vector kernel: the parallel
+    one would compile the same type dispatch again (~20 s)."""
+    out, err = early_process.communicate(timeout=900)
+    assert early_process.returncode == 0 and out.strip() == "ok", err[-2000:]
