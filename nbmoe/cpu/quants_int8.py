@@ -48,7 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
-from .simd import PREFETCH
+from .simd import PREFETCH, prefetch_lines
 from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, sum16
 
 _FEATURES = llb.get_host_cpu_features()
@@ -111,11 +111,8 @@ def _emit_blocks(context, builder, sig, args, qt, n):
     blk = args[9]
     row, xq = data(3, args[4]), data(5, blk, 32)
     if PREFETCH:
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
-            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-        for off in range(PREFETCH, PREFETCH + n * size, 64):   # read, keep in all levels, data
-            b.call(fn, [b.gep(row, [ir.Constant(_I64, off)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                        ir.Constant(_I32, 1)])
+        prefetch_lines(b, [b.gep(row, [ir.Constant(_I64, off)])
+                           for off in range(PREFETCH, PREFETCH + n * size, 64)])
     # per-block float scales s[j] = d_j * xd_j (and Q4_1 / Q5_1's m_j * xs_j, kept in odd lanes)
     terms = []
     half = ir.HalfType()

@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 from .quants import FM, lanes16, sum16
 
 u64 = np.uint64
-from .simd import HAS_VNNI, PREFETCH
+from .simd import HAS_VNNI, PREFETCH, prefetch_lines
 
 _FEATURES = llb.get_host_cpu_features()
 # vpermi2w is AVX-512 BW; without VNNI the integer dots are off for plain Q4_0 anyway
@@ -145,9 +145,7 @@ def _emit_step(context, b, sig, args, masked):
     def rec(part, size):                 # step t's entry of section `part` (entries of `size` bytes)
         return b.gep(xr, [b.add(b.mul(S, c(64 * part)), b.mul(t, c(size)))])
     if PREFETCH:
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
-            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-        b.call(fn, [b.gep(row, [b.add(off, c(PREFETCH))]), c(0, _I32), c(3, _I32), c(1, _I32)])
+        prefetch_lines(b, [b.gep(row, [b.add(off, c(PREFETCH))])])
     if masked:
         mload = cgutils.get_or_insert_function(b.module, ir.FunctionType(
             v64, [v64.as_pointer(), _I32, ir.VectorType(_I1, 64), v64]), "llvm.masked.load.v64i8.p0")

@@ -53,7 +53,6 @@ types and the super-block ones by their plain loops).
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quants_rtr_k, quants_rtr_xs
@@ -63,7 +62,7 @@ from .quants_iq4 import _IQ4_U8, _MXFP4_U8, IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MX
 from .quants_k import Q4_K
 from .quants_rtr_k import Q4_K_R16, dequant_rows_q4_k_r16, dot_rows_q4_k_r16
 from .quants_rtr_xs import IQ4_XS_R16, dequant_rows_iq4_xs_r16, dot_rows_iq4_xs_r16
-from .simd import PREFETCH, lut
+from .simd import PREFETCH, load_at, lut, prefetch_lines, splat
 
 GROUP = 16
 u64 = np.uint64
@@ -340,12 +339,7 @@ def _emit_group_block(context, b, sig, args, qt):
         return ir.Constant(_I64, v)
 
     def load(ptr, off, ty):
-        p = b.gep(ptr, [c(off)]) if off else ptr
-        return b.load(b.bitcast(p, ty.as_pointer()), align=1)
-
-    def splat(v, n):
-        one = b.insert_element(ir.Constant(ir.VectorType(v.type, n), None), v, ir.Constant(_I32, 0))
-        return b.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), None))
+        return load_at(b, ptr, off, ty)
 
     def vconst(ty, value):
         return ir.Constant(ty, [value] * ty.count)
@@ -355,16 +349,14 @@ def _emit_group_block(context, b, sig, args, qt):
     sc = b.gep(data(2), [b.add(o, b.add(b.mul(B, c(qb)), b.mul(blk, c(sb))))])
     x = b.gep(data(5), [b.mul(blk, c(32))])
     if PREFETCH:   # the qs stream, and the scale stream at the same distance in blocks
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
-            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-        for p in [b.gep(qs, [c(PREFETCH + off)]) for off in range(0, qb, 64)] + [b.gep(sc, [c(PREFETCH * sb // qb)])]:
-            b.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        prefetch_lines(b, [b.gep(qs, [c(PREFETCH + off)]) for off in range(0, qb, 64)]
+                       + [b.gep(sc, [c(PREFETCH * sb // qb)])])
 
     def xword(k):   # x codes 4k..4k+3 of the block in all 16 lanes
-        return b.bitcast(splat(load(x, 4 * k, _I32), 16), v64)
+        return b.bitcast(splat(b, load(x, 4 * k, _I32), 16), v64)
 
     zero = ir.Constant(v16i, None)
-    init = zero if qt == Q4_1 else splat(b.load(b.gep(data(8), [blk])), 16)
+    init = zero if qt == Q4_1 else splat(b, b.load(b.gep(data(8), [blk])), 16)
     nc = CHAINS
     if qt == Q8_0:   # separate chains shorten the dependent vpdpbusd latency
         ch = [init] + [zero] * (nc - 1)
@@ -405,11 +397,11 @@ def _emit_group_block(context, b, sig, args, qt):
         d = b.bitcast(b.select(b.icmp_unsigned("<", e, vconst(v16i, 2)), small, big), v16f)
     else:
         d = b.fpext(load(sc, 0, half16), v16f)
-    s = b.fmul(d, splat(b.load(b.gep(data(6), [blk])), 16))
+    s = b.fmul(d, splat(b, b.load(b.gep(data(6), [blk])), 16))
     term = b.fmul(b.sitofp(dot, v16f), s, flags=("contract",))
     if qt == Q4_1:
         m = b.fpext(load(sc, 32, half16), v16f)
-        term = b.fadd(term, b.fmul(m, splat(b.load(b.gep(data(7), [blk])), 16), flags=("contract",)),
+        term = b.fadd(term, b.fmul(m, splat(b, b.load(b.gep(data(7), [blk])), 16), flags=("contract",)),
                       flags=("contract",))
     ap = b.bitcast(data(1), v16f.as_pointer())
     b.store(b.fadd(b.load(ap, align=4), term, flags=("contract",)), ap, align=4)

@@ -45,13 +45,12 @@ a group is a panel, each record 8 panel records).
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import FM, block32, f32, lanes16, load_f16, load_u32, u8
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_k import Q4_K, dequant_rows_q4_k, k_scale_min
-from .simd import F32, I8, I32, I64, PREFETCH, const, vec
+from .simd import F32, I8, I32, I64, PREFETCH, const, load_at, prefetch_lines, splat, vec
 
 GROUP = 16
 Q4_K_R16 = 1012
@@ -186,21 +185,14 @@ def _emit_record(context, b, sig, args):
         return ir.Constant(I64, v)
 
     def load(ptr, off, ty):
-        return b.load(b.bitcast(b.gep(ptr, [c(off)]) if off else ptr, ty.as_pointer()), align=1)
-
-    def splat(v, n=16):
-        one = b.insert_element(ir.Constant(vec(v.type, n), None), v, ir.Constant(I32, 0))
-        return b.shuffle_vector(one, one, ir.Constant(vec(I32, n), None))
+        return load_at(b, ptr, off, ty)
 
     def k32(v):
         return const(I32, [v] * 16)
 
     rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
     if PREFETCH:
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
-            ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-        for off in range(PREFETCH, PREFETCH + REC, 64):       # read, keep in all levels, data
-            b.call(fn, [b.gep(rec, [c(off)]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        prefetch_lines(b, [b.gep(rec, [c(off)]) for off in range(PREFETCH, PREFETCH + REC, 64)])
     x = b.gep(data(3), [b.mul(sb, c(256))])
     xk_ = b.gep(data(4), [b.mul(sb, c(16))])
     v16f, v64 = vec(F32, 16), vec(I8, 64)
@@ -216,7 +208,7 @@ def _emit_record(context, b, sig, args):
     m = [field(*at) for at in M_AT] + [b.uitofp(m7, v16f)]
 
     def xword(v):           # x codes v..v + 3 of the super-block in all 16 lanes
-        return b.bitcast(splat(load(x, v, I32)), v64)
+        return b.bitcast(splat(b, load(x, v, I32), 16), v64)
     dots = [ir.Constant(vec(I32, 16), None)] * 8
     for ch in range(4):
         for k in range(8):
@@ -232,7 +224,7 @@ def _emit_record(context, b, sig, args):
         return ts[0]
 
     def xs(j):
-        return splat(b.load(b.gep(xk_, [c(j)])))
+        return splat(b, b.load(b.gep(xk_, [c(j)])), 16)
     sd = tree([b.fmul(b.fmul(b.sitofp(dots[j], v16f), sc[j], flags=("contract",)), xs(j), flags=("contract",))
                for j in range(8)])
     sm = tree([b.fmul(m[j], xs(8 + j), flags=("contract",)) for j in range(8)])

@@ -28,13 +28,12 @@ Rows past the last full group keep the GGUF layout (the plain kernels).
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import FM, block32, f32, lanes16, load_f16, u8
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_iq4 import _IQ4_U8, IQ4_XS, KV_IQ4, dequant_rows_iq4_xs
-from .simd import F32, I8, I16, I32, I64, PREFETCH, const, lut, vec
+from .simd import F32, I8, I16, I32, I64, PREFETCH, const, load_at, lut, prefetch_lines, splat, vec
 
 GROUP = 16
 IQ4_XS_R16 = 1023
@@ -158,21 +157,14 @@ def _emit_record(context, b, sig, args):
         return ir.Constant(I64, v)
 
     def load(ptr, off, ty):
-        return b.load(b.bitcast(b.gep(ptr, [c(off)]) if off else ptr, ty.as_pointer()), align=1)
-
-    def splat(v, n=16):
-        one = b.insert_element(ir.Constant(vec(v.type, n), None), v, ir.Constant(I32, 0))
-        return b.shuffle_vector(one, one, ir.Constant(vec(I32, n), None))
+        return load_at(b, ptr, off, ty)
 
     def k32(v):
         return const(I32, [v] * 16)
 
     rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
     if PREFETCH:
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
-            ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-        for off in range(PREFETCH, PREFETCH + REC, 64):       # read, keep in all levels, data
-            b.call(fn, [b.gep(rec, [c(off)]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        prefetch_lines(b, [b.gep(rec, [c(off)]) for off in range(PREFETCH, PREFETCH + REC, 64)])
     x = b.gep(data(3), [b.mul(sb, c(256))])
     xk_ = b.gep(data(4), [b.mul(sb, c(8))])
     bias = b.gep(data(5), [b.mul(sb, c(8))])
@@ -186,18 +178,18 @@ def _emit_record(context, b, sig, args):
     ls.append(signed_scale(b.or_(b.lshr(W[0], k32(30)), b.and_(b.lshr(W[1], k32(10)), k32(60))), 0))
 
     def xword(v):           # x codes v..v + 3 of the super-block in all 16 lanes
-        return b.bitcast(splat(load(x, v, I32)), v64)
+        return b.bitcast(splat(b, load(x, v, I32), 16), v64)
     low = const(I8, [0x0F] * 64)
     terms = []
     for j in range(8):     # two chains a sub-block (low, high nibbles): 168 -> 145 cycles a record (llvm-mca)
-        lo, hi = splat(b.load(b.gep(bias, [c(j)]))), ir.Constant(vec(I32, 16), None)
+        lo, hi = splat(b, b.load(b.gep(bias, [c(j)])), 16), ir.Constant(vec(I32, 16), None)
         for k in range(4):
             q = load(rec, HEAD + 64 * (4 * j + k), v64)
             q4 = b.bitcast(b.lshr(b.bitcast(q, vec(I16, 32)), const(I16, [4] * 32)), v64)
             lo = _dot4_init(b, lo, lut(b, _IQ4_U8, b.and_(q, low)), xword(32 * j + 4 * k))
             hi = _dot4_init(b, hi, lut(b, _IQ4_U8, b.and_(q4, low)), xword(32 * j + 16 + 4 * k))
         dot = b.add(lo, hi)
-        xs = splat(b.load(b.gep(xk_, [c(j)])))
+        xs = splat(b, b.load(b.gep(xk_, [c(j)])), 16)
         terms.append(b.fmul(b.fmul(b.sitofp(dot, v16f), ls[j], flags=("contract",)), xs, flags=("contract",)))
     while len(terms) > 1:   # products pair up into FMAs (contract)
         terms = [b.fadd(terms[i], terms[i + 1], flags=("contract",)) for i in range(0, len(terms), 2)]

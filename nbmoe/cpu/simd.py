@@ -54,6 +54,26 @@ def const(elt, values):
     return ir.Constant(vec(elt, len(values)), list(values))
 
 
+def load_at(b, ptr, off, ty):
+    """A load of type ty, alignment 1, at byte pointer ptr + off (off: an int)."""
+    p = b.gep(ptr, [ir.Constant(I64, off)]) if off else ptr
+    return b.load(b.bitcast(p, ty.as_pointer()), align=1)
+
+
+def splat(b, v, n):
+    """<n x v.type> with v in every lane."""
+    one = b.insert_element(ir.Constant(vec(v.type, n), None), v, ir.Constant(I32, 0))
+    return b.shuffle_vector(one, one, ir.Constant(vec(I32, n), None))
+
+
+def prefetch_lines(b, ptrs):
+    """Ask for the cache line at each byte pointer (llvm.prefetch: read, keep in all levels, data)."""
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(
+        ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+    for p in ptrs:
+        b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
 def lut(b, table, idx):
     """table[idx] per byte (vpshufb, as wide as the CPU has it); table: 16 byte values, idx:
     <n x i8> in 0..15, n a multiple of 16."""
@@ -124,9 +144,7 @@ class Emit:
 
     # -- vector ops
     def splat(self, v, n):
-        ty = vec(v.type, n)
-        one = self.b.insert_element(ir.Constant(ty, None), v, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(one, one, ir.Constant(vec(I32, n), None))
+        return splat(self.b, v, n)
 
     def pack(self, *scalars):
         """<n x type>: the scalars as a vector."""
@@ -213,11 +231,8 @@ class Emit:
 
     def prefetch(self, dist, size):
         """Ask for the cache lines of bytes dist..dist + size ahead of the block (none if dist = 0)."""
-        fnty = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
-        fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.prefetch.p0")
-        for off in range(dist, dist + size if dist else 0, 64):  # read, keep in all levels, data
-            p = self.b.gep(self._row, [ir.Constant(I64, off)])
-            self.b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        prefetch_lines(self.b, [self.b.gep(self._row, [ir.Constant(I64, off)])
+                                for off in range(dist, dist + size if dist else 0, 64)])
 
     # -- accumulation: a block's terms are summed as a tree, then added to acc once, so that
     # the only chain from block to block is one add (4 cycles), not one FMA per term.
