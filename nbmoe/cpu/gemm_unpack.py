@@ -36,7 +36,7 @@ from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
 from .quants_rtr_k import HEAD, M_AT, Q4_K_R16, REC, SC_AT
 from . import quants_rtr_xs as xs16
-from .simd import F32, I32, Rows, vec
+from .simd import F32, I32, Rows, arg_data, group_record, load_at, vec
 
 u32 = np.uint32
 LO, BIAS = 0x0F0F0F0F, 0x80808080
@@ -283,13 +283,11 @@ def unpack_k_r16(typingctx, P, w, o, sb):
         e = Rows.__new__(Rows)
         e.b, c, PW = b, Rows.c, record_words(32)
 
-        def data(i):
-            return context.make_array(sig.args[i])(context, b, args[i]).data
-        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
-        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
+        e.P, e.n, e.PW = b.gep(arg_data(context, b, sig, args, 0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = group_record(b, arg_data(context, b, sig, args, 1), o, sb, REC)
 
         def load(off, ty):
-            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+            return load_at(b, rec, off, ty)
         d, dmin = (b.fpext(load(off, vec(ir.HalfType(), 16)), vec(F32, 16)) for off in (0, 32))
         W = [load(64 + 64 * k, vec(I32, 16)) for k in range(3)]
         m7 = e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 28), 12), e.and_(e.shr(W[2], 26), 48))
@@ -314,13 +312,11 @@ def unpack_xs_r16(typingctx, P, w, o, sb):
         e = Rows.__new__(Rows)
         e.b, c, PW = b, Rows.c, record_words(32)
 
-        def data(i):
-            return context.make_array(sig.args[i])(context, b, args[i]).data
-        e.P, e.n, e.PW = b.gep(data(0), [b.mul(sb, c(8 * PW))]), 1, PW
-        rec = b.gep(data(1), [b.add(o, b.mul(sb, c(xs16.REC)))])
+        e.P, e.n, e.PW = b.gep(arg_data(context, b, sig, args, 0), [b.mul(sb, c(8 * PW))]), 1, PW
+        rec = group_record(b, arg_data(context, b, sig, args, 1), o, sb, xs16.REC)
 
         def load(off, ty):
-            return b.load(b.bitcast(b.gep(rec, [c(off)]), ty.as_pointer()), align=1)
+            return load_at(b, rec, off, ty)
         d = b.fpext(load(0, vec(ir.HalfType(), 16)), vec(F32, 16))
         W = [load(32, vec(I32, 16)), b.zext(load(96, vec(ir.IntType(16), 16)), vec(I32, 16))]
         ls = [e.bits(W[k], bit, 63) for k, bit in xs16.LS_AT] + [e.or_(e.shr(W[0], 30), e.and_(e.shr(W[1], 10), 60))]

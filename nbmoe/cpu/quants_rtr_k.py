@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 from .quants import FM, block32, f32, lanes16, load_f16, load_u32, u8
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_k import Q4_K, dequant_rows_q4_k, k_scale_min
-from .simd import F32, I8, I32, I64, PREFETCH, const, load_at, prefetch_lines, splat, vec
+from .simd import F32, I8, I32, I64, arg_data, const, group_record, load_at, splat, vec, x_word16
 
 GROUP = 16
 Q4_K_R16 = 1012
@@ -179,7 +179,7 @@ def _emit_record(context, b, sig, args):
     acc, w, o, xq, xk, sb = args
 
     def data(i):
-        return context.make_array(sig.args[i])(context, b, args[i]).data
+        return arg_data(context, b, sig, args, i)
 
     def c(v):
         return ir.Constant(I64, v)
@@ -190,9 +190,7 @@ def _emit_record(context, b, sig, args):
     def k32(v):
         return const(I32, [v] * 16)
 
-    rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
-    if PREFETCH:
-        prefetch_lines(b, [b.gep(rec, [c(off)]) for off in range(PREFETCH, PREFETCH + REC, 64)])
+    rec = group_record(b, data(1), o, sb, REC, prefetch=True)
     x = b.gep(data(3), [b.mul(sb, c(256))])
     xk_ = b.gep(data(4), [b.mul(sb, c(16))])
     v16f, v64 = vec(F32, 16), vec(I8, 64)
@@ -208,7 +206,7 @@ def _emit_record(context, b, sig, args):
     m = [field(*at) for at in M_AT] + [b.uitofp(m7, v16f)]
 
     def xword(v):           # x codes v..v + 3 of the super-block in all 16 lanes
-        return b.bitcast(splat(b, load(x, v, I32), 16), v64)
+        return x_word16(b, x, v)
     dots = [ir.Constant(vec(I32, 16), None)] * 8
     for ch in range(4):
         for k in range(8):

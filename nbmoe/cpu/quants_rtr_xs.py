@@ -33,7 +33,8 @@ from numba.extending import intrinsic
 from .quants import FM, block32, f32, lanes16, load_f16, u8
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_iq4 import _IQ4_U8, IQ4_XS, KV_IQ4, dequant_rows_iq4_xs
-from .simd import F32, I8, I16, I32, I64, PREFETCH, const, load_at, lut, prefetch_lines, splat, vec
+from .simd import (F32, I8, I16, I32, I64, arg_data, const, group_record, load_at, lut, splat, vec,
+                   x_word16)
 
 GROUP = 16
 IQ4_XS_R16 = 1023
@@ -151,7 +152,7 @@ def _emit_record(context, b, sig, args):
     acc, w, o, xq, xk, xbb, sb = args
 
     def data(i):
-        return context.make_array(sig.args[i])(context, b, args[i]).data
+        return arg_data(context, b, sig, args, i)
 
     def c(v):
         return ir.Constant(I64, v)
@@ -162,9 +163,7 @@ def _emit_record(context, b, sig, args):
     def k32(v):
         return const(I32, [v] * 16)
 
-    rec = b.gep(data(1), [b.add(o, b.mul(sb, c(REC)))])
-    if PREFETCH:
-        prefetch_lines(b, [b.gep(rec, [c(off)]) for off in range(PREFETCH, PREFETCH + REC, 64)])
+    rec = group_record(b, data(1), o, sb, REC, prefetch=True)
     x = b.gep(data(3), [b.mul(sb, c(256))])
     xk_ = b.gep(data(4), [b.mul(sb, c(8))])
     bias = b.gep(data(5), [b.mul(sb, c(8))])
@@ -178,7 +177,7 @@ def _emit_record(context, b, sig, args):
     ls.append(signed_scale(b.or_(b.lshr(W[0], k32(30)), b.and_(b.lshr(W[1], k32(10)), k32(60))), 0))
 
     def xword(v):           # x codes v..v + 3 of the super-block in all 16 lanes
-        return b.bitcast(splat(b, load(x, v, I32), 16), v64)
+        return x_word16(b, x, v)
     low = const(I8, [0x0F] * 64)
     terms = []
     for j in range(8):     # two chains a sub-block (low, high nibbles): 168 -> 145 cycles a record (llvm-mca)

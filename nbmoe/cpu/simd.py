@@ -74,6 +74,27 @@ def prefetch_lines(b, ptrs):
         b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
+def arg_data(context, b, sig, args, i):
+    """The data pointer of an intrinsic's array argument i."""
+    return context.make_array(sig.args[i])(context, b, args[i]).data
+
+
+def group_record(b, w, o, sb, size, prefetch=False):
+    """Byte pointer of super-block sb's record (`size` bytes) in the repacked group at byte o
+    of w (quants_rtr_k / quants_rtr_xs layouts); prefetch: also ask for the record's lines
+    PREFETCH bytes further on."""
+    rec = b.gep(w, [b.add(o, b.mul(sb, ir.Constant(I64, size)))])
+    if prefetch and PREFETCH:
+        prefetch_lines(b, [b.gep(rec, [ir.Constant(I64, off)])
+                           for off in range(PREFETCH, PREFETCH + size, 64)])
+    return rec
+
+
+def x_word16(b, x, off):
+    """<64 x i8>: the 4 x codes at byte pointer x + off, repeated in all 16 lanes."""
+    return b.bitcast(splat(b, load_at(b, x, off, I32), 16), vec(I8, 64))
+
+
 def lut(b, table, idx):
     """table[idx] per byte (vpshufb, as wide as the CPU has it); table: 16 byte values, idx:
     <n x i8> in 0..15, n a multiple of 16."""
