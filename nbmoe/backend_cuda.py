@@ -488,6 +488,14 @@ class CUDABackend(Backend):
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
             self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
 
+        if attn.ROPE_IN_ATTENTION and attn.rope_supported(T, Dh):    # one launch (decoding)
+            def rope_attention():
+                xq, xds = mm.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
+                attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"],
+                                    p["base"], p["neox"], p["scale"], a["scale"], a["window"],
+                                    xq=xq, xds=xds)
+            return [None] * (len(members) - 1) + [_labelled(rope_attention, "QK_NORM+ROPE+ATTN")]
+
         def norm_rope_store():
             fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"], p["base"],
                                   p["neox"], p["scale"])

@@ -543,6 +543,47 @@ def test_attention_x8_output(pos0, keys, small, monkeypatch):
     assert np.array_equal(got_ds, xds.copy_to_host()[:H * Dh // 16])
 
 
+_GPU_ONLY = pytest.mark.skipif(cuda_setup.SIM, reason="CI time: real GPU only")
+
+
+@pytest.mark.parametrize("T,pos0,window,neox,n_rot,norm,keys", [
+    (2, 9, 0, False, 16, False, 4),      # two tokens, three splits: token 1 sees token 0's key
+    (1, 12, 5, True, 32, True, 0),       # a window; every split works, some find no key
+    pytest.param(1, 2, 0, True, 16, True, 4, marks=_GPU_ONLY),    # one split writes out itself
+    pytest.param(2, 12, 5, True, 32, True, 0, marks=_GPU_ONLY),
+])
+def test_rope_attention_equals_the_two_launches(T, pos0, window, neox, n_rot, norm, keys,
+                                                small, monkeypatch):
+    """Decoding attention doing norm_rope_store's work itself (q and the new keys normed and
+    rotated per block, the new k, v rows written to the cache by the blocks whose span holds
+    them): the same output, cache and 8-bit output as norm_rope_store + attention, bit for bit."""
+    from nbmoe.cuda import fused
+    monkeypatch.setattr(att, "SPLIT_KEYS", 4)
+    monkeypatch.setattr(att, "MIN_SPLIT_KEYS", keys)
+    H, Hkv, Dh, C = 4, 2, 32, 16         # one block of 4 warps over both kv heads
+    q0, k0, v0 = (rnd(T, n, Dh, seed=s, scale=2.0) for s, n in ((1, H), (2, Hkv), (3, Hkv)))
+    wq, wk = (dev(rnd(Dh, seed=s) + 1) if norm else None for s in (4, 5))
+    pos = dev(np.arange(pos0, pos0 + T, dtype=np.int32))
+    outs = []
+    for fused_launch in (False, True):
+        q, k, v = dev(q0), dev(k0), dev(v0)
+        kc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
+        vc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
+        att.store_kv(kc, vc, dev(rnd(pos0, Hkv, Dh, seed=6)), dev(rnd(pos0, Hkv, Dh, seed=7)), 0)
+        out = poisoned((T, H, Dh))
+        xq, xds = matmul.x8_buffers(T, H * Dh)
+        if fused_launch:
+            att.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, 1e-6, n_rot, 10000.0, neox,
+                               1.0, 0.125, window, xq=xq, xds=xds)
+        else:
+            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, 1e-6, n_rot, 10000.0, neox)
+            att.attention(out, q, kc, vc, pos, 0.125, window, xq=xq, xds=xds)
+        outs.append([a.copy_to_host() for a in (out, kc, vc)] +
+                    [xq.copy_to_host()[:T * H * Dh // 4], xds.copy_to_host()[:T * H * Dh // 16]])
+    for name, a, b in zip(("out", "k cache", "v cache", "xq", "xds"), *outs):
+        assert np.array_equal(a, b), name
+
+
 def test_products_accumulate_into_the_residual(small, monkeypatch):
     """out += W x (mul_mat accumulate: the o projection onto the residual stream, split-K and
     not) and x += the experts' weighted sum (down_combine_q8 accumulate): equal to the product

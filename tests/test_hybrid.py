@@ -242,7 +242,7 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
             | ({"norm_route", "glu_id", "down_combine_add"} if shape == "moe" else {"glu"}))
     assert groups == want                            # the one-token plan's groups
     labels = {lab for _, lab in llm.plan(1, 1).labels}
-    assert "GRAPH" in labels or "QK_NORM+ROPE+KV_STORE" in labels
+    assert "GRAPH" in labels or "QK_NORM+ROPE+ATTN" in labels
     monkeypatch.setattr(fusion, "ENABLED", False)
     for name in ("bind_add", "bind_rms_norm"):
         monkeypatch.setattr(backend_cuda.CUDABackend, name, getattr(Backend, name))

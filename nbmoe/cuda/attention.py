@@ -123,15 +123,27 @@ def active_splits(n, P, min_keys):
 # rows of H * Dh) for the output projection: lane l's value of dims 32c .. 32c + 31 is dim
 # 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge kernel likewise).
 
+# ROPE (decoding, T <= SPLIT_MAX_T): q, k, v arrive as the products wrote them, and the
+# kernel does fused.norm_rope_store's work itself, with its device functions (same bits): each
+# warp norms and rotates its head's q; a block whose key span holds a new position (pos[t2],
+# t2 < T) norms and rotates that key (each warp its kv head's), writes it and its value to
+# the f16 cache (the block's first warp of each kv head), and syncs before reading the span.
+# Blocks with the same new key in their span write the same bits; no block reads a new
+# position that another block writes. One launch less a layer.
+# NBMOE_NO_ROPE_ATTN=1: decoding keeps the separate norm_rope_store launch (A/B timings).
+ROPE_IN_ATTENTION = os.environ.get("NBMOE_NO_ROPE_ATTN", "") != "1"
 KU = 8
+ROPE_HEADS = 8                      # rows of the shared scratch: warps a block (HEADS_PER_BLOCK)
 
 
-def _attention_kernel(Dh):
+def _attention_kernel(Dh, ROPE=False):
     DPL = (Dh + 31) // 32
     KV = KU * DPL                   # (local array sizes must be plain constants)
-    k_ = _kernels.get(("attn", Dh))
+    k_ = _kernels.get(("attn", Dh, ROPE))
     if k_ is not None:
         return k_
+    from .fused import head_rope_fns
+    norm_to_shared, rope_from_shared = head_rope_fns(Dh)
 
     @device_fn
     def q_dot(qv, cache, rb, lane):
@@ -152,7 +164,8 @@ def _attention_kernel(Dh):
 
     @cuda.jit
     def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window,
-                         min_keys, xq, xds, quant):
+                         min_keys, xq, xds, quant, k, v, kc16, vc16, wq, wk, eps, do_norm,
+                         n_rot, neox, rope):
         H = q.shape[1]
         Hkv = k_cache.shape[1]
         G = H // Hkv
@@ -173,10 +186,42 @@ def _attention_kernel(Dh):
         row = Hkv * Dh * 2                         # bytes of one cache position
         qv = cuda.local.array(DPL, f32)
         acc = cuda.local.array(DPL, f32)
-        for c in range(DPL):
-            d = lane + 32 * c
-            qv[c] = q[t, hh, d] * scale if d < Dh and h < H else f32(0.0)
-            acc[c] = f32(0.0)
+        if ROPE:
+            sh = cuda.shared.array((ROPE_HEADS, 8 * 32), f32)
+            wy = cuda.threadIdx.y
+            vals = cuda.local.array(DPL, f32)
+            for c in range(DPL):
+                d = lane + 32 * c
+                vals[c] = q[t, hh, d] if d < Dh else f32(0.0)
+            norm_to_shared(vals, sh, wy, lane, wq, do_norm, eps)
+            cuda.syncthreads()
+            rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, pos[t])
+            for c in range(DPL):
+                d = lane + 32 * c
+                qv[c] = vals[c] * scale if d < Dh and h < H else f32(0.0)
+                acc[c] = f32(0.0)
+            for t2 in range(q.shape[0]):           # the batch's new keys inside [a, b)
+                j = pos[t2]
+                if a <= j and j < b:               # the same for the whole block
+                    cuda.syncthreads()             # sh: the rows above are read
+                    for c in range(DPL):
+                        d = lane + 32 * c
+                        vals[c] = k[t2, g, d] if d < Dh else f32(0.0)
+                    norm_to_shared(vals, sh, wy, lane, wk, do_norm, eps)
+                    cuda.syncthreads()
+                    rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, j)
+                    if h < H and (wy == 0 or h % G == 0):   # the block's first warp of kv head g
+                        for c in range(DPL):
+                            d = lane + 32 * c
+                            if d < Dh:
+                                kc16[j, g, d] = np.float16(vals[c])
+                                vc16[j, g, d] = np.float16(v[t2, g, d])
+            cuda.syncthreads()                     # the new rows, seen by the whole block
+        else:
+            for c in range(DPL):
+                d = lane + 32 * c
+                qv[c] = q[t, hh, d] * scale if d < Dh and h < H else f32(0.0)
+                acc[c] = f32(0.0)
         m = NEG_INF
         tot = f32(0.0)
         for j0 in range(a, b, 32):
@@ -225,7 +270,7 @@ def _attention_kernel(Dh):
                     part_ml[p, t, h, 0] = m
                     part_ml[p, t, h, 1] = tot
 
-    _kernels[("attn", Dh)] = attention_kernel
+    _kernels[("attn", Dh, ROPE)] = attention_kernel
     return attention_kernel
 
 
@@ -291,28 +336,70 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     if FLASH and T > SPLIT_MAX_T and flash.supported(Dh):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream)
         return
+    _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None)
+
+
+def rope_supported(T, Dh):
+    """Whether rope_attention takes this batch: decoding (T <= SPLIT_MAX_T), Dh <= 256."""
+    return T <= SPLIT_MAX_T and Dh <= 256
+
+
+def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq_base, neox,
+                   freq_scale, scale, window=0, stream=0, xq=None, xds=None):
+    """fused.norm_rope_store(q, k, v, ...) then attention(out, q, ...) in one launch (see
+    ROPE above): q [T, H, Dh], k, v [T, Hkv, Dh] as the products wrote them (q and k are not
+    written back), wq / wk the per-head norms (None: none); pos a device int32 [T]."""
+    T, H, Dh = q.shape
+    if not rope_supported(T, Dh):
+        raise ValueError("rope_attention: T <= SPLIT_MAX_T and Dh <= 256 only")
+    from .fused import rope_table
+    pos = positions(pos, T)
+    rope = (k, v, k_cache.view(np.float16), v_cache.view(np.float16), wq, wk, float(eps),
+            wq is not None, int(n_rot), bool(neox),
+            rope_table(k_cache.shape[0], int(n_rot), freq_base, freq_scale))
+    _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
+
+
+def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope):
+    T, H, Dh = q.shape
+    C = k_cache.shape[0]
     cap = C if window == 0 else min(C, window)                # most keys a query can see
     P = 1
     if T <= SPLIT_MAX_T and cap >= 2 * SPLIT_KEYS:
         P = min(MAX_SPLITS, cap // SPLIT_KEYS)
     hb = min(HEADS_PER_BLOCK, H)
     grid = (T, (H + hb - 1) // hb, P)
-    kern = _attention_kernel(Dh)
-    kc, vc, pos = k_cache, v_cache, positions(pos, T)         # cache: uint16 f16 bits, ld_f16
+    kern = _attention_kernel(Dh, rope is not None)
     quant = xq is not None
     if quant and (Dh % 32 or T > SPLIT_MAX_T):
         raise ValueError("attention: 8-bit output needs Dh % 32 == 0 and T <= SPLIT_MAX_T")
     if not quant:
         xq, xds = unused_x8()
+    if rope is None:
+        rope = _no_rope(q)
+    elif rope[4] is None:                                     # no per-head norms
+        w = _buffer("no_norm", (1,))
+        rope = rope[:4] + (w, w) + rope[6:]
     if P == 1:
-        dummy = _buffer("dummy", (1, 1, 1, 2))
-        kern[grid, (32, hb), stream](out, dummy, dummy, q, kc, vc, pos, f32(scale), int(window),
-                                     MIN_SPLIT_KEYS, xq, xds, quant)
-        return
-    part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))       # splits p < P used
-    part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, kc, vc, pos, f32(scale), int(window),
-                                 MIN_SPLIT_KEYS, xq, xds, quant)
-    m = T * H * Dh
-    merge_splits_kernel[(m + 127) // 128, 128, stream](out, part_acc, part_ml, P, pos, int(window),
-                                                       MIN_SPLIT_KEYS, xq, xds, quant)
+        part_acc = part_ml = _buffer("dummy", (1, 1, 1, 2))
+    else:
+        part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))     # splits p < P used
+        part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, f32(scale),
+                                 int(window), MIN_SPLIT_KEYS, xq, xds, quant, *rope)
+    if P > 1:
+        m = T * H * Dh
+        merge_splits_kernel[(m + 127) // 128, 128, stream](
+            out, part_acc, part_ml, P, pos, int(window), MIN_SPLIT_KEYS, xq, xds, quant)
+
+
+def _no_rope(q):
+    """Typed stand-ins for the kernel's ROPE arguments (never read when ROPE is off)."""
+    key = (device_id(), "no_rope")
+    r = _scratch.get(key)
+    if r is None:
+        h = cuda.device_array((1, 1, 1), np.float16)
+        w = cuda.device_array((1,), np.float32)
+        r = _scratch[key] = (q, q, h, h, w, w, 0.0, False, 0, False,
+                             cuda.device_array((1, 1, 2), np.float32))
+    return (q, q) + r[2:]

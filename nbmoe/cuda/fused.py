@@ -13,6 +13,8 @@ values in the same order as the separate kernels (bit-identical results; tests c
   down_combine_q8  sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): the down product of every
                    chosen expert of a token and the weighted sum, no [T, A, D] round trip
   norm_rope_store  per head: [RMS norm], RoPE of q and k, and k, v written to the f16 cache
+                   (decoding: attention.rope_attention does this inside the attention
+                   launch, with the same device functions, head_rope_fns)
   norm_route       RMS norm of the residual, the router product and the top-k: a MoE
                    layer's routing in one launch (the last block to finish routes)
 
@@ -360,8 +362,63 @@ def route_supported(wtype, D, E, A):
 # host by the CPU's rope_tables (angles in float64): float64 pow/cos/sin on the GPU cost
 # ~12 us a layer at T = 1, and the table gives exactly the CPU's values.
 
+def head_rope_fns(Dh):
+    """(norm_to_shared, rope_from_shared): one head's row held by a warp, lane l holding dims
+    l, l + 32, ... in vals[c] (0 past Dh). norm_to_shared: [vals <- vals / sqrt(mean(vals^2)
+    + eps) * w], then vals into the warp's shared row sh[wy]; rope_from_shared: RoPE at
+    position p of the first n_rot dims, each pair's partner read from sh[wy]. The caller
+    syncs the block between the two (a partner is another lane's value). Shared by
+    norm_rope_store and attention's decode kernel (which computes q and the new keys itself),
+    so both give the same bits."""
+    key = ("head_rope", Dh)
+    if key in _head_rope:
+        return _head_rope[key]
+    DPL = (Dh + 31) // 32
+
+    @device_fn
+    def norm_to_shared(vals, sh, wy, lane, w, norm, eps):
+        ss = f32(0.0)
+        for c in range(DPL):
+            ss += vals[c] * vals[c]
+        ss = warp_sum(ss)
+        if norm:
+            scale = f32(1.0 / math.sqrt(float(ss) / Dh + eps))
+            for c in range(DPL):
+                d = lane + 32 * c
+                if d < Dh:
+                    vals[c] = vals[c] * scale * w[d]
+        for c in range(DPL):
+            sh[wy, lane + 32 * c] = vals[c]
+
+    @device_fn
+    def rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, p):
+        half = n_rot // 2
+        for c in range(DPL):
+            d = lane + 32 * c
+            if d < n_rot:
+                if neox:
+                    i = d if d < half else d - half
+                    x0 = sh[wy, i]
+                    x1 = sh[wy, i + half]
+                    first = d < half
+                else:
+                    i = d // 2
+                    x0 = sh[wy, 2 * i]
+                    x1 = sh[wy, 2 * i + 1]
+                    first = d % 2 == 0
+                cs = rope[p, i, 0]
+                sn = rope[p, i, 1]
+                vals[c] = x0 * cs - x1 * sn if first else x0 * sn + x1 * cs
+    _head_rope[key] = norm_to_shared, rope_from_shared
+    return norm_to_shared, rope_from_shared
+
+
+_head_rope = {}
+
+
 def _norm_rope_store_kernel(Dh):
     DPL = (Dh + 31) // 32
+    norm_to_shared, rope_from_shared = head_rope_fns(Dh)
 
     def build():
         @cuda.jit
@@ -377,41 +434,16 @@ def _norm_rope_store_kernel(Dh):
             hx = min(hh, H + 2 * Hkv - 1)
             h = hx if kind == 0 else (hx - H if kind == 1 else hx - H - Hkv)
             vals = cuda.local.array(DPL, f32)
-            ss = f32(0.0)
             for c in range(DPL):
                 d = lane + 32 * c
                 x = f32(0.0)
                 if d < Dh:
                     x = q[t, h, d] if kind == 0 else (k[t, h, d] if kind == 1 else v[t, h, d])
                 vals[c] = x
-                ss += x * x
-            ss = warp_sum(ss)
-            if do_norm and kind < 2:
-                scale = f32(1.0 / math.sqrt(float(ss) / Dh + eps))
-                for c in range(DPL):
-                    d = lane + 32 * c
-                    if d < Dh:
-                        vals[c] = vals[c] * scale * (wq[d] if kind == 0 else wk[d])
-            for c in range(DPL):
-                sh[wy, lane + 32 * c] = vals[c]
+            norm_to_shared(vals, sh, wy, lane, wq if kind == 0 else wk, do_norm and kind < 2, eps)
             cuda.syncthreads()
-            half = n_rot // 2
-            for c in range(DPL):
-                d = lane + 32 * c
-                if kind < 2 and d < n_rot:
-                    if neox:
-                        i = d if d < half else d - half
-                        x0 = sh[wy, i]
-                        x1 = sh[wy, i + half]
-                        first = d < half
-                    else:
-                        i = d // 2
-                        x0 = sh[wy, 2 * i]
-                        x1 = sh[wy, 2 * i + 1]
-                        first = d % 2 == 0
-                    cs = rope[pos[t], i, 0]
-                    sn = rope[pos[t], i, 1]
-                    vals[c] = x0 * cs - x1 * sn if first else x0 * sn + x1 * cs
+            if kind < 2:
+                rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, pos[t])
             if hh < H + 2 * Hkv:
                 p = pos[t]
                 for c in range(DPL):
