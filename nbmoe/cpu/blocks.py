@@ -19,8 +19,8 @@ from numba import njit
 
 from . import attention as attn
 from . import moe, ops
-from .fused import _products, down_combine, glu, glu_id
-from .matmul import mat_vec
+from .fused import down_combine, glu, glu_id
+from .matmul import _products, mat_vec
 
 
 @njit(cache=True, error_model="numpy")

@@ -19,7 +19,7 @@ act: ACT_SILU or ACT_GELU (ops' row functions).
 import numpy as np
 from numba import njit, prange
 
-from .matmul import _dot_rows, _group_by_expert, _prepare_x
+from .matmul import _dot_rows, _group_by_expert, _prepare_x, _products
 from .ops import _geglu_row, _swiglu_row
 
 ACT_SILU, ACT_GELU = 0, 1
@@ -34,22 +34,7 @@ def _glu_rows(out, g, u, act):
 
 
 # ---------------------------------------------------------------- products
-# ws, outs: tuples of 3 (a run of two repeats the second with M = 0 rows: n_items[2] = 0).
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _products(outs, ws, x, qtype, int8, step, n_rows):
-    xsum, xi = _prepare_x(x, int8, qtype)
-    n0 = (n_rows[0] + step - 1) // step
-    n1 = (n_rows[1] + step - 1) // step
-    n2 = (n_rows[2] + step - 1) // step
-    for item in prange(n0 + n1 + n2):
-        j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
-        i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
-        w, out = ws[j], outs[j]
-        r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
-        for t in range(x.shape[0]):
-            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
-
+# matmul._products: ws, outs tuples of 3 (a run of two repeats the second with 0 rows).
 
 def products(outs, ws, x, qtype, int8, step):
     """outs[j] [T, M_j] = x [T, K] @ dequant(ws[j])^T for 2 or 3 weights of one type."""

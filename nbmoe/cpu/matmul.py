@@ -227,14 +227,37 @@ def item_rows(M, row_bytes, n_tokens, qtype=None):
     return max(unit, (rows + unit - 1) // unit * unit)
 
 
+# One parallel kernel for one weight and for fused.products' two or three (outs[j] = x @ W_j^T;
+# outs, ws tuples of 3, n_rows [3] the rows of each, 0 for an unused slot): each kernel that
+# holds the type dispatch (_dot_rows) costs ~20-30 s of LLVM at a cold start, so one weight
+# goes through this kernel too (mat_vec, _mul_mat_vec) rather than a twin of its own.
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_vec(out, w, x, qtype, int8, step):
+def _products(outs, ws, x, qtype, int8, step, n_rows):
     xsum, xi = _prepare_x(x, int8, qtype)
-    M = w.shape[0]
-    for item in prange((M + step - 1) // step):
-        r0, r1 = item * step, min(M, (item + 1) * step)
+    n0 = (n_rows[0] + step - 1) // step
+    n1 = (n_rows[1] + step - 1) // step
+    n2 = (n_rows[2] + step - 1) // step
+    for item in prange(n0 + n1 + n2):
+        j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
+        i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
+        w, out = ws[j], outs[j]
+        r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
         for t in range(x.shape[0]):
             _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+
+
+@njit(cache=True, error_model="numpy")
+def _one_weight(M):
+    """n_rows for _products with one weight (in slot 0)."""
+    rows = np.zeros(3, np.int64)
+    rows[0] = M
+    return rows
+
+
+def _mul_mat_vec(out, w, x, qtype, int8, step):
+    """out [T, M] = x @ dequant(w)^T in work items of `step` rows, in parallel."""
+    _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
 
 
 @njit(cache=True, error_model="numpy")
@@ -251,7 +274,7 @@ def mat_vec(out, w, x, qtype, int8, step):
     if step >= w.shape[0]:
         _mul_mat_vec_seq(out, w, x, qtype, int8)
     else:
-        _mul_mat_vec(out, w, x, qtype, int8, step)
+        _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
 
 
 # ---------------------------------------------------------------- dequantize rows
