@@ -19,8 +19,8 @@ from numba import njit
 
 from . import attention as attn
 from . import moe, ops
-from .fused import down_combine, glu, glu_id
-from .matmul import _products, mat_vec
+from .fused import down_combine, glu
+from .matmul import _mul_mat_id_vec, _products, mat_vec
 
 
 @njit(cache=True, error_model="numpy")
@@ -88,7 +88,8 @@ def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, 
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
     mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
     moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
-    glu_id(g, wg, wu, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], int8s[1], steps[1], act)
+    _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], ids.size + 1, int8s[1],
+                    steps[1], wu, act)                                # gate/up/GLU: fused.glu_id
     down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2])  # [1, D]
     _norm_if(f, post_norm, eps)
     ops.add(x, x, f)

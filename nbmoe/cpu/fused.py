@@ -19,18 +19,9 @@ act: ACT_SILU or ACT_GELU (ops' row functions).
 import numpy as np
 from numba import njit, prange
 
-from .matmul import _dot_rows, _group_by_expert, _prepare_x, _products
-from .ops import _geglu_row, _swiglu_row
+from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, _prepare_x,  # noqa: F401
+                     _products)
 
-ACT_SILU, ACT_GELU = 0, 1
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _glu_rows(out, g, u, act):
-    if act == ACT_SILU:
-        _swiglu_row(out, g, u)
-    else:
-        _geglu_row(out, g, u)
 
 
 # ---------------------------------------------------------------- products
@@ -69,30 +60,12 @@ def glu(out, wg, wu, x, qtype, int8, step, act):
 
 
 # ---------------------------------------------------------------- glu_id (experts)
-# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs.
+# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs:
+# matmul's expert kernel with its GLU (one parallel kernel for both: a cold start compiles
+# the type dispatch in it once).
 
-@njit(parallel=True, cache=True, error_model="numpy")
 def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
-    E, M = wg.shape[0], wg.shape[1]
-    T, X, K = x.shape
-    A = ids.shape[1]
-    order, start = _group_by_expert(ids, E)
-    xf = x.reshape(T * X, K)
-    xsum, xi = _prepare_x(xf, int8, qtype)
-    used = np.flatnonzero(start[1:] > start[:-1])
-    n_runs = (M + step - 1) // step
-    for item in prange(used.shape[0] * n_runs):
-        e = used[item // n_runs]
-        r0 = item % n_runs * step
-        r1 = min(M, r0 + step)
-        g = np.empty(r1 - r0, np.float32)
-        u = np.empty(r1 - r0, np.float32)
-        for p in range(start[e], start[e + 1]):
-            t, a = order[p] // A, order[p] % A
-            n = t * X + (a if X == A else 0)
-            _dot_rows(qtype, g, wg[e, r0:r1], xf, n, xsum, xi, int8)
-            _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
-            _glu_rows(out[t, a, r0:r1], g, u, act)
+    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, act)
 
 
 # ---------------------------------------------------------------- down_combine

@@ -47,6 +47,7 @@ from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, block_biases, dequant_
 from .quants_rtr_k import Q4_K_R16, prepare_xk
 from .quants_rtr_xs import IQ4_XS_R16
 from .quants_rtr_xs import prepare_xk as prepare_xk_xs
+from .ops import _geglu_row, _swiglu_row
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
 # (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
@@ -361,8 +362,21 @@ def _group_by_expert(ids, E):
     return order, start
 
 
+# act: ACT_NONE the products alone; ACT_SILU / ACT_GELU (fused.glu_id): w holds the gate
+# rows, wu the up rows, and an item computes both row runs of a pair, then the GLU into out.
+ACT_NONE, ACT_SILU, ACT_GELU = -1, 0, 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _glu_rows(out, g, u, act):
+    if act == ACT_SILU:
+        _swiglu_row(out, g, u)
+    else:
+        _geglu_row(out, g, u)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step):
+def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act):
     E, M = w.shape[0], w.shape[1]
     T, X, K = x.shape
     A = ids.shape[1]
@@ -380,10 +394,16 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step):
         e = used[item // n_runs]
         r0 = item % n_runs * step
         r1 = min(M, r0 + step)
+        g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+        u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
         for p in range(start[e], start[e + 1]):
             t, a = order[p] // A, order[p] % A
             n = t * X + (a if X == A else 0)
-            _dot_rows(qtype, out[t, a, r0:r1], w[e, r0:r1], xf, n, xsum, xi, int8)
+            o = out[t, a, r0:r1]
+            _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
+            if act != ACT_NONE:
+                _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+                _glu_rows(o, g, u, act)
 
 
 def mul_mat_id(out, w, x, ids, qtype):
@@ -391,12 +411,12 @@ def mul_mat_id(out, w, x, ids, qtype):
     many = GEMM_MIN_T if batched_int8(qtype) else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
         step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
-        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step)
+        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE)
         return
     T, X, K = x.shape
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
-    _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS)  # experts with few tokens
+    _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)  # few tokens
     if batched_int8(qtype):
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)
         return
