@@ -7,8 +7,9 @@ tokens with every step of the plan wrapped by a host clock. Each recorded CUDA g
 split into: the host's launch call, the device time between two events around it, and the
 rest of the wait (the stream synchronisation's latency after the device finished). Prints one
 row per step kind: calls a token, host microseconds a token and a call. --busy-us N swaps the
-CPU's expert products for N-microsecond spins, to price the GPU side and the turn-taking
-free of the RAM bandwidth's swings (session 9 measured its alternatives that way).
+CPU steps (with -ot exps=CPU: the expert products) for N-microsecond spins, to price the GPU
+side and the turn-taking free of the RAM bandwidth's swings (session 9 measured its
+alternatives that way).
 """
 import argparse
 import sys
@@ -96,9 +97,10 @@ def main(argv=None):
     ap.add_argument("-n", type=int, default=32, help="decode tokens traced")
     ap.add_argument("-c", "--ctx-size", type=int, default=512, help="KV cache slots")
     ap.add_argument("--busy-us", type=float, default=0.0,
-                    help="replace each CPU product step by a spin of this many microseconds: "
-                         "the token's time is then the GPU segments and the turn-taking alone, "
-                         "free of the RAM bandwidth's swings (the outputs are garbage)")
+                    help="replace each CPU step (but GET_ROWS) by a spin of this many "
+                         "microseconds: the token's time is then the GPU segments and the "
+                         "turn-taking alone, free of the RAM bandwidth's swings (the outputs "
+                         "are garbage)")
     add_placement_args(ap)
     add_repack_arg(ap)
     a = ap.parse_args(argv)

@@ -23,7 +23,6 @@ from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, 
                      _products)
 
 
-
 # ---------------------------------------------------------------- products
 # matmul._products: ws, outs tuples of 3 (a run of two repeats the second with 0 rows).
 

@@ -354,8 +354,11 @@ def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq
         raise ValueError("rope_attention: T <= SPLIT_MAX_T and Dh <= 256 only")
     from .fused import rope_table
     pos = positions(pos, T)
+    do_norm = wq is not None
+    if not do_norm:
+        wq = wk = _buffer("no_norm", (1,))                    # typed stand-ins, never read
     rope = (k, v, k_cache.view(np.float16), v_cache.view(np.float16), wq, wk, float(eps),
-            wq is not None, int(n_rot), bool(neox),
+            do_norm, int(n_rot), bool(neox),
             rope_table(k_cache.shape[0], int(n_rot), freq_base, freq_scale))
     _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
 
@@ -376,10 +379,7 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
     if not quant:
         xq, xds = unused_x8()
     if rope is None:
-        rope = _no_rope(q)
-    elif rope[4] is None:                                     # no per-head norms
-        w = _buffer("no_norm", (1,))
-        rope = rope[:4] + (w, w) + rope[6:]
+        rope = (q, q) + _no_rope()
     if P == 1:
         part_acc = part_ml = _buffer("dummy", (1, 1, 1, 2))
     else:
@@ -393,13 +393,14 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
             out, part_acc, part_ml, P, pos, int(window), MIN_SPLIT_KEYS, xq, xds, quant)
 
 
-def _no_rope(q):
-    """Typed stand-ins for the kernel's ROPE arguments (never read when ROPE is off)."""
+def _no_rope():
+    """Typed stand-ins for the kernel's ROPE arguments after k, v (q stands in for those):
+    never read when ROPE is off."""
     key = (device_id(), "no_rope")
     r = _scratch.get(key)
     if r is None:
         h = cuda.device_array((1, 1, 1), np.float16)
-        w = cuda.device_array((1,), np.float32)
-        r = _scratch[key] = (q, q, h, h, w, w, 0.0, False, 0, False,
+        w = _buffer("no_norm", (1,))
+        r = _scratch[key] = (h, h, w, w, 0.0, False, 0, False,
                              cuda.device_array((1, 1, 2), np.float32))
-    return (q, q) + r[2:]
+    return r
