@@ -14,6 +14,14 @@ def _rows2d(a):
     return a.reshape(a.shape[0], -1)
 
 
+def chosen_slots(node, a):
+    """a [T, A] (the chosen expert ids or weights) as the node reads it: columns lo..hi-1 for
+    a node that computes only those chosen-expert slots (param `slots`: model.moe_ffn's split
+    between a GPU and the CPU), all of them otherwise."""
+    s = node.params.get("slots")
+    return a if s is None else a[:, s[0]:s[1]]
+
+
 class Backend:
     name = "?"
     mm = ops = attn = moe = None        # kernel modules, set by subclasses
@@ -101,7 +109,7 @@ class Backend:
     def mul_mat_id_operands(self, node, buf):
         """(out [T, A, M], w [E, M, row_bytes], x [T, X, K], ids [T, A], qtype) of MUL_MAT_ID."""
         w, qtype = self.weight(node.weight)
-        out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
+        out, x, ids = buf[node.out], buf[node.srcs[0]], chosen_slots(node, buf[node.srcs[1]])
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])   # one input row shared by the chosen experts
         return out, w, x, ids, qtype
@@ -156,7 +164,7 @@ class Backend:
         return lambda: moe.topk_route(ids, wts, logits, norm)
 
     def bind_moe_combine(self, node, buf, state):
-        out, y, w, moe = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]], self.moe
+        out, y, w, moe = buf[node.out], buf[node.srcs[0]], chosen_slots(node, buf[node.srcs[1]]), self.moe
         return lambda: moe.moe_combine(out, y, w)
 
 
@@ -210,7 +218,7 @@ class CPUBackend(Backend):
     def _bind_down_combine(self, members, buf, state):
         down, combine = members
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
-        out, wts, mm, fused = buf[combine.out], buf[combine.srcs[1]], self.mm, self.fused
+        out, wts, mm, fused = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm, self.fused
         A = ids.shape[1]
         step, int8 = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype), mm._int8(qtype)
         return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step),

@@ -6,7 +6,9 @@ each run into a scratch buffer; for expert products only the experts the router 
 uploaded (their ids come to the host first, a few bytes). Uploads read from pinned host
 copies made on first use (PCIe runs ~5x faster from pinned than from pageable memory, and
 the mmap'd file is pageable), so offloading costs RAM for those copies; NBMOE_NO_PIN=1
-uploads straight from the mmap instead.
+uploads straight from the mmap instead. Expert products of cause `zc` (a one-token MoE
+layer's GPU share, scheduler.py) read their RAM weights in place: the file's mapping is
+page-locked and mapped into the GPU's address space (cuda/host_memory.py), nothing is copied.
 
 Several GPUs: numba-cuda allocates, launches and copies in the calling thread's current CUDA
 context, so a backend makes its GPU's context current (`activate`) before it allocates or
@@ -21,7 +23,7 @@ import os
 import numpy as np
 
 from . import fusion
-from .backend import Backend, _act, _labelled, _rows2d
+from .backend import Backend, _act, _labelled, _rows2d, chosen_slots
 from .errors import NbmoeError
 
 
@@ -140,7 +142,7 @@ class _OnStream:
 class CUDABackend(Backend):
     positions_on_device = True   # attention reads positions from the pos buffer (graphs)
 
-    def __init__(self, name, tensors, resident):
+    def __init__(self, name, tensors, resident, zero_copy=()):
         super().__init__(tensors)
         from numba import cuda
 
@@ -162,6 +164,7 @@ class CUDABackend(Backend):
         self.mm, self.ops, self.attn, self.moe, self.fused = (
             _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused))
         self.resident = {}
+        self.zero_copy, self.zero_copy_views = set(zero_copy), {}   # RAM weights read in place
         self.vectors = {}
         self.pinned = {}
         self.scratch = {}
@@ -209,10 +212,10 @@ class CUDABackend(Backend):
         self.activate()
         self.cuda.synchronize()
 
-    def graph_run(self, steps, labels=()):
+    def graph_run(self, steps, labels=(), wait=True):
         """One step that replays these steps (launches and copies on this GPU's stream) as a
-        CUDA graph, then waits for it."""
-        return self.graphs.GraphRun(steps, self.stream, labels)
+        CUDA graph, then (wait) waits for it."""
+        return self.graphs.GraphRun(steps, self.stream, labels, wait)
 
     def pinned_alloc(self, shape, dtype):
         """A page-locked host array (decode plans' host buffers: async, recordable copies)."""
@@ -259,7 +262,17 @@ class CUDABackend(Backend):
 
     # -- weights --------------------------------------------------------------------------
     def weight(self, name):
-        return self.resident[name], int(self.tensors[name].ggml_type)
+        t = self.tensors[name]
+        if name in self.resident:
+            return self.resident[name], int(t.ggml_type)
+        if name not in self.zero_copy:
+            raise KeyError(f"{name} is neither on {self.name} nor readable in place")
+        if name not in self.zero_copy_views:     # the first: page-lock them all, once
+            from .cuda import host_memory
+            host_memory.register_span([self.tensors[n].data for n in sorted(self.zero_copy)])
+            self.activate()
+            self.zero_copy_views[name] = host_memory.device_view(t.data)
+        return self.zero_copy_views[name], int(t.ggml_type)
 
     def vector(self, name):
         self.activate()
@@ -426,7 +439,7 @@ class CUDABackend(Backend):
     def _bind_down_combine(self, members, buf, state):
         down, combine = members[:2]
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
-        out, wts, K = buf[combine.out], buf[combine.srcs[1]], x.shape[2]
+        out, wts, K = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), x.shape[2]
         add = len(members) == 3                  # down_combine_add: x += the weighted sum
         if add:
             out = buf[members[2].out]
@@ -522,7 +535,7 @@ class CUDABackend(Backend):
         return run
 
     def bind_mul_mat_id(self, node, buf, state):
-        if node.weight in self.resident:
+        if node.weight in self.resident or node.cause == "zc":
             return self._resident_mul_mat_id(node, buf)
         t = self.tensors[node.weight]
         host = self.host_copy(node.weight)                         # [E, M, row_bytes]

@@ -55,6 +55,7 @@ def parse_args(argv=None):
     args.ngl_list = int_list(args.n_gpu_layers)
     args.ub_list = int_list(args.ubatch_size)
     args.rtr_list = [bool(v) for v in int_list(args.run_time_repack)]
+    args.zce_list = int_list(args.zero_copy_experts)
     return args
 
 
@@ -136,10 +137,11 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         rows, bw = [], {}
         llm = None
-        for ngl, ub, rtr in [(g, u, r) for g in args.ngl_list for u in args.ub_list for r in args.rtr_list]:
+        for ngl, ub, rtr, zce in [(g, u, r, z) for g in args.ngl_list for u in args.ub_list
+                                  for r in args.rtr_list for z in args.zce_list]:
             llm = None      # the previous model's memory (and repacked copies) go first
             llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
-                       **placement_kwargs(args, ngl))
+                       **placement_kwargs(args, ngl, zce))
             facts = model_facts(llm)
             if llm.repack_stats and args.output == "md":
                 s = llm.repack_stats
@@ -156,9 +158,9 @@ def main(argv=None):
                     with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
                         times = run_test(llm, kind, n, args, rng)
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
-                                         bw.get(threads), ngl, ub))
+                                         bw.get(threads), ngl, ub, zce))
                     if args.output == "md":
-                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} t={threads}: "
+                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} zce={zce} t={threads}: "
                                           f"{rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
@@ -205,7 +207,7 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     Console(stderr=True, width=200).print(table)
 
 
-def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
+def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub, zce=0):
     ts = np.array([n / t for t in times])
     gpus = [b for b in llm.backends if b != "CPU"]
     return dict(
@@ -215,7 +217,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
         n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
-        tensor_buft_overrides=";".join(args.override_tensor) or "none",
+        tensor_buft_overrides=";".join(args.override_tensor) or "none", zero_copy_experts=zce,
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
@@ -251,8 +253,9 @@ def print_rows(rows, fmt, facts):
     table = Table(title="nbmoe bench", title_justify="left")
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
     show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
+    show_zce = any(r["zero_copy_experts"] for r in rows)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch"] + (["rtr"] if show_rtr else []) + [
+        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -268,7 +271,8 @@ def print_rows(rows, fmt, facts):
         gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
-                      *([str(int(r["repack"]))] if show_rtr else []), test,
+                      *([str(int(r["repack"]))] if show_rtr else []),
+                      *([str(r["zero_copy_experts"])] if show_zce else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     console = Console()
     if not console.is_terminal:   # piped: do not wrap the table at 80 columns

@@ -40,12 +40,17 @@ def add_placement_args(p, lists=False):
                         f"ops: {', '.join(f'{i}={o}' for i, o in enumerate(OPS))}")
     p.add_argument("--cpu-moe", action="store_true", help="keep all expert tensors in RAM")
     p.add_argument("--n-cpu-moe", type=int, default=0, help="keep the experts of the first N layers in RAM")
+    p.add_argument("-zce", "--zero-copy-experts", default="0" if lists else 0, type=str if lists else int,
+                   help="of each generated token's chosen experts whose weights are in RAM, the GPU "
+                        "that routed computes N, reading their weights in place over PCIe, while the "
+                        "CPU computes the others (0 = off" + ("; comma list)" if lists else ")"))
 
 
-def placement_kwargs(args, n_gpu_layers=None):
+def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None):
     return dict(n_gpu_layers=args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
                 override_tensors=args.override_tensor, offload_policy=args.offload_policy,
-                cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe)
+                cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
+                zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts)
 
 
 def resolve_model(path):

@@ -33,7 +33,8 @@ class _State:
 
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
-                 override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False):
+                 override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
+                 zero_copy_experts=0):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -46,6 +47,7 @@ class LLM:
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = threads or default_threads()
+        self.gpu_slots = self._zero_copy_layers(int(zero_copy_experts))
         # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
         # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
@@ -74,6 +76,27 @@ class LLM:
         rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
+    def _zero_copy_layers(self, n):
+        """{layer: (GPU, slots)}: the layers whose router runs on a GPU while their experts
+        stay in RAM; for one-token batches that GPU computes `slots` = min(n, A - 1) of the
+        chosen experts, reading their weights in place (model.moe_ffn, -zce)."""
+        if n <= 0:
+            return {}
+        from .cuda.quants import is_supported
+        place = lambda name: self.placement[name][0]
+        layers = {}
+        moe = self.cfg.is_moe and not self.cfg.flags.post_norms   # (model.moe_ffn)
+        for il in range(self.cfg.n_layer if moe else 0):
+            exps = [f"blk.{il}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+            router = place(f"blk.{il}.ffn_gate_inp.weight")
+            if (router != "CPU" and all(place(e) == "CPU" for e in exps)
+                    and all(is_supported(int(self.weights[e].ggml_type)) for e in exps)):
+                layers[il] = (router, min(n, self.cfg.n_expert_used - 1))
+        if not layers or max(s for _, s in layers.values()) == 0:
+            raise NbmoeError("-zce needs a MoE layer whose router is on a GPU and whose experts "
+                             "are in RAM (e.g. -ngl 99 -ot exps=CPU), and more than one active expert")
+        return layers
+
     def _gpu_backends(self):
         """One CUDA backend per GPU that holds weights (none: the CPU-only engine)."""
         on_gpu = {t: b for t, (b, _) in self.placement.items() if b != "CPU"}
@@ -85,7 +108,10 @@ class LLM:
             if not is_supported(int(self.weights[name].ggml_type)):
                 raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "
                                  f"which the {buftype} backend does not support")
-        return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n])
+        in_place = {gpu: [f"blk.{il}.ffn_{k}_exps.weight" for il, (g, _) in self.gpu_slots.items()
+                          if g == gpu for k in ("gate", "up", "down")]
+                    for gpu in set(on_gpu.values())}
+        return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_place[n])
                 for n in sorted(set(on_gpu.values()))}
 
     # ---- tokens -------------------------------------------------------------------------
@@ -103,7 +129,9 @@ class LLM:
     def plan(self, n_tokens, n_logits):
         key = (n_tokens, n_logits)
         if key not in self._plans:
-            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
+            slots = ([self.gpu_slots.get(il, (None, 0))[1] for il in range(self.cfg.n_layer)]
+                     if n_tokens == 1 and self.gpu_slots else None)
+            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", slots)
             self._plans[key] = make_plan(g, self.backends, self.state,
                                          lambda name: self.placement[name][0], self.policy, self.cfg)
         return self._plans[key]
@@ -197,5 +225,7 @@ def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement
     """Open a GGUF model. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL /
     IQ4_XS / MXFP4 matrices for the CPU kernels (llama.cpp's -rtr; see repack.py). Placement
     options (hybrid CPU + GPU): n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]),
-    offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe."""
+    offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe, zero_copy_experts
+    (of each generated token's chosen experts whose weights are in RAM, how many the GPU
+    computes, reading the weights in place over PCIe while the CPU computes the others)."""
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

@@ -14,7 +14,8 @@ from rich.table import Table
 
 CAUSES = {"wgt": "weight lives there", "off": "offloaded: RAM weight, large batch",
           "kv": "attention where its KV cache lives",
-          "inp": "where most of its input bytes are", "def": "graph input"}
+          "inp": "where most of its input bytes are", "def": "graph input",
+          "zc": "GPU share of a token's experts, RAM weights read in place (-zce)"}
 
 
 def _ranges(nums):
@@ -53,6 +54,10 @@ def schedule_table(llm, batches):
         nodes = ", ".join(f"{b}/{c}: {k}" for (b, c), k in sorted(count.items()))
         if offl:
             nodes += " | offloaded: " + ", ".join(f"{op} x{k}" for op, k in offl.items())
+        zc = [node for node in plan.graph.nodes if node.cause == "zc" and node.op == "MUL_MAT_ID"]
+        if zc:
+            nodes += (f" | GPU reads in place: {len({n.weight for n in zc})} expert tensors, "
+                      f"{zc[0].params['slots'][1]} of each token's experts")
         mapped = sum(c.mapped for c in plan.copies)
         t.add_row(str(n), str(len(plan.splits)),
                   f"{len(plan.copies)}" + (f" ({mapped} mapped)" if mapped else ""),

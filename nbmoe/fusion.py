@@ -18,8 +18,9 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   ffn_block     a dense layer's FFN half: RMS_NORM, gate, up, GLU, down,            T = 1
                 [post norm], residual ADD (CPU)
 
-Products need resident weights (cause `wgt`) on the matrix-vector path the fused kernels
-share (`vec_ok(node)`; on the GPU, with x in 8 bits). The GPU fuses every kind
+Products need weights on their backend (cause `wgt`; or `zc`: RAM that the GPU reads in
+place) on the matrix-vector path the fused kernels share (`vec_ok(node)`; on the GPU, with
+x in 8 bits). The GPU fuses every kind
 (nbmoe/cuda/fused.py), the CPU the products (nbmoe/cpu/fused.py) and, for one token, whole
 blocks (nbmoe/cpu/blocks.py: a compiled call per block instead of a Python step per node).
 """
@@ -58,7 +59,8 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
 
 
 def _product(node, op, backend, vec_ok):
-    return (node.op == op and node.backend == backend and node.cause == "wgt" and vec_ok(node))
+    return (node.op == op and node.backend == backend and node.cause in ("wgt", "zc")
+            and vec_ok(node))
 
 
 def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=None):
@@ -227,7 +229,7 @@ def _moe_block(run, product, wtype):
     down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
     comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
     if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))
-            or wtype(gate) != wtype(up)):
+            or wtype(gate) != wtype(up) or "slots" in gate.params):   # the kernel takes all slots
         return 0
     w.norm_in_place(comb.out)
     w.take("ADD", (x, comb.out), x)

@@ -11,8 +11,10 @@ from .errors import NbmoeError
 from .graph import Graph
 
 
-def build_graph(cfg, n_tokens, n_logits, output_weight):
-    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows."""
+def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
+    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
+    gpu_slots[il]: of layer il's chosen experts, how many a GPU computes reading their weights
+    from RAM (zero copy, see moe_ffn); None or 0: none."""
     T, D, H, Hkv, Dh = n_tokens, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T)
@@ -42,12 +44,12 @@ def build_graph(cfg, n_tokens, n_logits, output_weight):
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "ffn_norm.weight", eps=eps)
         if cfg.is_moe:
-            moe_ffn(g, cfg, p, T)
+            moe_ffn(g, cfg, p, T, gpu_slots[il] if gpu_slots else 0)
         else:
             dense_ffn(g, cfg, p, T)
         if f.post_norms:
             g.add_node("RMS_NORM", "ffn_out", (T, D), ["ffn_out"], p + "post_ffw_norm.weight", eps=eps)
-        g.add_node("ADD", "x", (T, D), ["x", "ffn_out"])
+        g.add_node("ADD", "x", (T, D), ["x", "ffn_out"])                                 # residual
     # output: final norm of the rows whose logits are wanted, then the vocabulary projection
     if n_logits == 0:
         return g
@@ -65,19 +67,43 @@ def dense_ffn(g, cfg, p, T):
     g.add_node("MUL_MAT", "ffn_out", (T, cfg.n_embd), ["ffn_gate"], p + "ffn_down.weight")
 
 
-def moe_ffn(g, cfg, p, T):
-    """Router -> softmax -> top-k (-> renormalise) -> GLU experts -> weighted sum."""
+def moe_ffn(g, cfg, p, T, gpu_slots=0):
+    """Router -> softmax -> top-k (-> renormalise) -> GLU experts -> weighted sum.
+
+    gpu_slots = S > 0 (one-token batches, experts in RAM, router on a GPU; no post-FFN norm):
+    the chosen experts in slots 0..S-1 are computed by the GPU, which reads their weights from
+    RAM over PCIe (zero copy), while the CPU computes slots S..A-1. The GPU's nodes (params
+    zero_copy) come first and add their weighted sum to the residual x themselves; the
+    scheduler launches them without waiting for them, right after the copies the CPU's share
+    needs, and the CPU's sum is added as usual."""
     E, A, F, D = cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_embd
     g.add_node("MUL_MAT", "router", (T, E), ["h"], p + "ffn_gate_inp.weight")            # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
     g.add_node("TOPK_MOE", "expert_weights", (T, A), ["router"], k=A,                     # [T, A]
                norm=cfg.moe_norm_topk, also_writes=("expert_ids",))
-    g.add_node("MUL_MAT_ID", "exp_gate", (T, A, F), ["h", "expert_ids"], p + "ffn_gate_exps.weight")
-    g.add_node("MUL_MAT_ID", "exp_up", (T, A, F), ["h", "expert_ids"], p + "ffn_up_exps.weight")
-    g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.ffn_act)
-    g.add_node("MUL_MAT_ID", "exp_down", (T, A, D), ["exp_gate", "expert_ids"],           # [T, A, D]
-               p + "ffn_down_exps.weight")
-    g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])          # [T, D]
+    S = max(0, min(int(gpu_slots), A - 1))
+    if S:
+        assert not cfg.flags.post_norms, "the GPU's share would skip the post-FFN norm"
+        _experts(g, cfg, p, T, "zc_", (0, S), zero_copy=True)
+        g.add_node("ADD", "x", (T, D), ["x", "zc_out"], zero_copy=True)
+    _experts(g, cfg, p, T, "exp_", (S, A) if S else None)
+
+
+def _experts(g, cfg, p, T, name, slots, **params):
+    """GLU experts and their weighted sum (into ffn_out, or zc_out for the zero-copy share)
+    over the chosen-expert slots lo..hi-1 (None: all of them)."""
+    F, D = cfg.n_ff_exp, cfg.n_embd
+    A = cfg.n_expert_used if slots is None else slots[1] - slots[0]
+    if slots is not None:
+        params["slots"] = slots
+    gate, up, down = name + "gate", name + "up", name + "down"
+    g.add_node("MUL_MAT_ID", gate, (T, A, F), ["h", "expert_ids"], p + "ffn_gate_exps.weight", **params)
+    g.add_node("MUL_MAT_ID", up, (T, A, F), ["h", "expert_ids"], p + "ffn_up_exps.weight", **params)
+    g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.ffn_act, **params)
+    g.add_node("MUL_MAT_ID", down, (T, A, D), [gate, "expert_ids"],                       # [T, A, D]
+               p + "ffn_down_exps.weight", **params)
+    out = "zc_out" if name == "zc_" else "ffn_out"
+    g.add_node("MOE_COMBINE", out, (T, D), [down, "expert_weights"], **params)            # [T, D]
 
 
 def expected_tensors(cfg, names):

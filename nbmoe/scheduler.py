@@ -10,10 +10,16 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
        the next weighted op usually is, then to the backend that made an input last: the
        residual add after a layer split follows the new GPU), so the fewest bytes cross
   def  nothing to follow (graph inputs only): the CPU
+  zc   a one-token MoE layer's GPU share of the chosen experts (model.moe_ffn's gpu_slots):
+       the GPU that routed computes them reading the expert weights from RAM over PCIe (zero
+       copy, no upload), at the same time as the CPU computes the other experts
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
 the scheduler tracks on which backends each buffer's current value is; when a split starts,
 every buffer it reads that is not valid on its backend gets a copy step (all at once, so a
 decoding GPU split ends with all the copies the next CPU split needs, in one CUDA graph).
+The zc nodes' steps are moved after those copies and launched as a graph of their own that
+the host does not wait for: the host waits for the routing and the copies only, then
+computes the CPU's experts while the GPU computes its share.
 
 Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecutive GPU
 steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
@@ -122,7 +128,8 @@ class Plan:
                 continue
             t0 = clock()
             step()
-            self.backends[backend].synchronize()
+            if not getattr(step, "waits_itself", False):
+                self.backends[backend].synchronize()
             acc[(backend, what)] += clock() - t0
 
     @property
@@ -134,7 +141,9 @@ def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cach
     """Set node.backend and node.cause for every node (see the module docstring)."""
     producer, made_at = {}, {}
     for i, node in enumerate(graph.nodes):
-        if node.op == "ATTN" and cache_backend is not None:
+        if node.params.get("zero_copy") and producer.get("expert_ids", "CPU") != "CPU":
+            node.backend, node.cause = producer["expert_ids"], "zc"
+        elif node.op == "ATTN" and cache_backend is not None:
             node.backend, node.cause = cache_backend(node.params["layer"]), "kv"
         elif node.weight is not None:
             node.backend, node.cause = weight_backend(node.weight), "wgt"
@@ -200,11 +209,15 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     steps, labels, copies = [], [], []
     runs_on = []             # per step: the backend that executes it
     record_on = {}           # step index -> the GPU whose graph may hold it (graph mode)
+    ahead = set()            # step indices of zc steps: launched, not waited for
+    deferred = []            # zc steps bound, not yet placed: (step, label, backend, outs)
 
     def ensure(name, where):
         """Make buffer `name` current on backend `where`, adding a copy step if needed."""
         if where in valid[name]:
             return
+        if any(name in outs for *_, outs in deferred):
+            raise AssertionError(f"{name} is copied before the zero-copy step that writes it")
         src = "CPU" if "CPU" in valid[name] else sorted(valid[name])[0]
         s_arr, d_arr = bufs[src][name], bufs[where][name]
         if name in mapped:                            # one buffer, seen by both: no step
@@ -223,6 +236,17 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         copies.append(Copy(name, src, where, int(s_arr.nbytes)))
         valid[name].add(where)
 
+    def place_deferred():
+        """The zc steps bound so far, after the copies emitted since (see the docstring)."""
+        for step, label, backend, _ in deferred:
+            if graph_mode:
+                record_on[len(steps)] = backend
+                ahead.add(len(steps))
+            steps.append(step)
+            runs_on.append(backend)
+            labels.append(label)
+        deferred.clear()
+
     for be in backends.values():
         be.prepare(graph)
     nodes = graph.nodes
@@ -235,17 +259,24 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         step = backends[node.backend].bind(node, bufs[node.backend], state)
         for out in node.outs:
             valid[out] = {node.backend}
+        if node.cause != "zc":
+            place_deferred()
         if getattr(step, "skip", False):      # a fused group's member: another step does it
+            continue
+        label = (node.backend, getattr(step, "label", node.op))
+        if node.cause == "zc":
+            deferred.append((step, label, node.backend, node.outs))
             continue
         if graph_mode and node.backend != "CPU" and node.cause != "off":
             record_on[len(steps)] = node.backend
         steps.append(step)
         runs_on.append(node.backend)
-        labels.append((node.backend, getattr(step, "label", node.op)))
+        labels.append(label)
+    place_deferred()
     if "logits" in valid:
         ensure("logits", "CPU")
     if graph_mode:
-        steps, labels, runs_on = _graph_runs(steps, labels, runs_on, record_on, backends)
+        steps, labels, runs_on = _graph_runs(steps, labels, runs_on, record_on, backends, ahead)
     if len(gpus) > 1:
         steps = [step if be == "CPU" else _OnGPU(step, backends[be]) for step, be in zip(steps, runs_on)]
     host = {name: bufs["CPU"][name] for name in graph.inputs}
@@ -298,9 +329,11 @@ def _split_inputs(nodes, start):
     return list(wanted)
 
 
-def _graph_runs(steps, labels, runs_on, record_on, backends):
+def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
     """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
-    waits for its GPU at the end: the host reads or rewrites the pinned buffers next)."""
+    waits for its GPU at the end: the host reads or rewrites the pinned buffers next). A run
+    of zc steps (`ahead`) is a graph the host does not wait for, launched together with the
+    run before it (_LaunchAhead)."""
     out_steps, out_labels, out_on, i = [], [], [], 0
     while i < len(steps):
         gpu = record_on.get(i)
@@ -310,14 +343,40 @@ def _graph_runs(steps, labels, runs_on, record_on, backends):
             out_on.append(runs_on[i])
             i += 1
             continue
-        j = i
-        while j < len(steps) and record_on.get(j) == gpu:
+        j, is_ahead = i, i in ahead
+        while j < len(steps) and record_on.get(j) == gpu and (j in ahead) == is_ahead:
             j += 1
-        out_steps.append(backends[gpu].graph_run(steps[i:j], labels[i:j]))
-        out_labels.append((gpu, "GRAPH"))
-        out_on.append(gpu)
+        run = backends[gpu].graph_run(steps[i:j], labels[i:j], wait=not is_ahead)
+        if is_ahead and out_on and out_on[-1] == gpu and isinstance(out_steps[-1], type(run)):
+            out_steps[-1] = _LaunchAhead(out_steps[-1], run, backends[gpu])
+        else:
+            out_steps.append(run)
+            out_labels.append((gpu, "GRAPH"))
+            out_on.append(gpu)
         i = j
     return out_steps, out_labels, out_on
+
+
+class _LaunchAhead:
+    """A graph the host waits for (the routing and the copies the CPU's experts read), and
+    after it, on the same stream, a graph it does not wait for (the GPU's zero-copy experts):
+    both are launched before the wait, which ends at an event between them."""
+    waits_itself = True     # Plan.run_timed: no stream synchronisation after it
+
+    def __init__(self, first, second, backend):
+        first.wait = False
+        self.first, self.second, self.stream = first, second, backend.stream
+        self.event = backend.cuda.event()
+
+    def __call__(self):
+        self.first()
+        self.event.record(self.stream)
+        self.second()
+        self.event.synchronize()
+
+    def run_timed(self, acc):
+        self.first.run_timed(acc)
+        self.second.run_timed(acc)
 
 
 class _OnGPU:
@@ -326,6 +385,7 @@ class _OnGPU:
 
     def __init__(self, step, backend):
         self.step, self.backend = step, backend
+        self.waits_itself = getattr(step, "waits_itself", False)
         if hasattr(step, "run_timed"):
             self.run_timed = self._run_timed
 

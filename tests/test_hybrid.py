@@ -101,6 +101,39 @@ def test_decode_split_copies_together(model):
     assert ops[1:5] == ["GRAPH", "MUL_MAT_ID+GLU", "MUL_MAT_ID+MOE_COMBINE", "GRAPH"]
 
 
+@pytest.mark.parametrize("slots", [1] if cuda_setup.SIM else [1, 3])
+def test_zero_copy_experts_equal_cpu(tiny_model, slots):
+    """-zce: for one-token steps the GPU computes the first `slots` chosen experts of each
+    layer, reading their weights from RAM in place, while the CPU computes the others; the
+    logits are the CPU engine's. The GPU's share is launched without a wait of its own, in
+    the layer's graph step, so a token still makes one host step of GPU work a layer."""
+    A = 2 if cuda_setup.SIM else 4
+    path = tiny_model(**{**MOE, "n_layer": 1 if cuda_setup.SIM else 2, "n_expert_used": A},
+                      types=[("exps", "Q4_0")], default_type="Q8_0")
+    llm = load(path, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=slots)
+    plan = llm.plan(1, 1)
+    zc = [n for n in plan.graph.nodes if n.cause == "zc"]
+    assert {n.backend for n in zc} == {"CUDA0"}
+    assert [n.params["slots"] for n in zc if n.op == "MUL_MAT_ID"] == [(0, slots)] * 3 * llm.cfg.n_layer
+    cpu_share = [n for n in plan.graph.nodes if n.backend == "CPU" and n.op == "MUL_MAT_ID"]
+    assert {n.params["slots"] for n in cpu_share} == {(slots, A)}
+    ops = [what for _, what in plan.labels]
+    assert ops.count("GRAPH") == llm.cfg.n_layer + 1
+    assert sum(isinstance(s, scheduler._LaunchAhead) for s in plan.steps) == llm.cfg.n_layer
+    assert not any(n.cause == "zc" for n in llm.plan(2, 1).graph.nodes)   # prompts: as before
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    assert close(llm.eval(PROMPT), ref.eval(PROMPT))
+    for tok in (5,) if cuda_setup.SIM else (5, 9, 11):   # real GPU: graphs from the 2nd step
+        assert close(llm.eval([tok]), ref.eval([tok]))
+
+
+def test_zero_copy_experts_need_a_gpu_router(model):
+    with pytest.raises(nbmoe.NbmoeError, match="-zce needs"):
+        nbmoe.load(model, n_ctx=64, zero_copy_experts=1)                      # no GPU
+    with pytest.raises(nbmoe.NbmoeError, match="-zce needs"):
+        load(model, n_gpu_layers=99, zero_copy_experts=1)                    # experts on the GPU
+
+
 @pytest.fixture
 def two_gpus(monkeypatch):
     """CUDA0 and CUDA1: the real ones where the machine has two GPUs, else two backends that
