@@ -3,12 +3,14 @@
 Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
 each run into a scratch buffer; for expert products only the experts the router chose are
-uploaded (their ids come to the host first, a few bytes). Uploads read from pinned host
-copies made on first use (PCIe runs ~5x faster from pinned than from pageable memory, and
-the mmap'd file is pageable), so offloading costs RAM for those copies; NBMOE_NO_PIN=1
-uploads straight from the mmap instead. Expert products of cause `zc` (a one-token MoE
-layer's GPU share, scheduler.py) read their RAM weights in place: the file's mapping is
-page-locked and mapped into the GPU's address space (cuda/host_memory.py), nothing is copied.
+uploaded (their ids come to the host first, a few bytes). PCIe runs ~5x faster from
+page-locked than from pageable memory, so on first use the span of the file mapping that
+holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads then
+read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
+refuses that, each weight gets a pinned copy on first use instead. NBMOE_NO_PIN=1 uploads
+straight from the pageable mapping. Expert products of cause `zc` (a one-token MoE layer's
+GPU share, scheduler.py) read their RAM weights in place through the same locked mapping,
+which is also mapped into the GPU's address space: nothing is copied at all.
 
 Several GPUs: numba-cuda allocates, launches and copies in the calling thread's current CUDA
 context, so a backend makes its GPU's context current (`activate`) before it allocates or
@@ -142,7 +144,7 @@ class _OnStream:
 class CUDABackend(Backend):
     positions_on_device = True   # attention reads positions from the pos buffer (graphs)
 
-    def __init__(self, name, tensors, resident, zero_copy=()):
+    def __init__(self, name, tensors, resident, in_ram=(), zero_copy=()):
         super().__init__(tensors)
         from numba import cuda
 
@@ -164,7 +166,9 @@ class CUDABackend(Backend):
         self.mm, self.ops, self.attn, self.moe, self.fused = (
             _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused))
         self.resident = {}
-        self.zero_copy, self.zero_copy_views = set(zero_copy), {}   # RAM weights read in place
+        # RAM-resident matrices (uploaded when offloaded), those of them the GPU reads in place
+        self.in_ram, self.zero_copy, self.zero_copy_views = set(in_ram) | set(zero_copy), set(zero_copy), {}
+        self.ram_locked = None           # whether their span of the file mapping is page-locked
         self.vectors = {}
         self.pinned = {}
         self.scratch = {}
@@ -267,12 +271,21 @@ class CUDABackend(Backend):
             return self.resident[name], int(t.ggml_type)
         if name not in self.zero_copy:
             raise KeyError(f"{name} is neither on {self.name} nor readable in place")
-        if name not in self.zero_copy_views:     # the first: page-lock them all, once
+        if name not in self.zero_copy_views:
             from .cuda import host_memory
-            host_memory.register_span([self.tensors[n].data for n in sorted(self.zero_copy)])
+            self.lock_ram()
             self.activate()
             self.zero_copy_views[name] = host_memory.device_view(t.data)
         return self.zero_copy_views[name], int(t.ggml_type)
+
+    def lock_ram(self):
+        """Page-lock the span of the file mapping that holds the RAM-resident matrices (once;
+        host_memory.register_span). NbmoeError if the driver refuses."""
+        if not self.ram_locked:
+            from .cuda import host_memory
+            self.ram_locked = False
+            host_memory.register_span([self.tensors[n].data for n in sorted(self.in_ram)])
+            self.ram_locked = True
 
     def vector(self, name):
         self.activate()
@@ -281,9 +294,17 @@ class CUDABackend(Backend):
         return self.vectors[name]
 
     def host_copy(self, name):
-        """The RAM-resident weight as the source of uploads: pinned on first use."""
+        """The RAM-resident weight as the source of uploads: the file's pages, page-locked in
+        place on first use (lock_ram); if the driver refuses, a pinned copy."""
         t = self.tensors[name]
         if not self.pin:
+            return t.data
+        if self.ram_locked is None and name in self.in_ram:
+            try:
+                self.lock_ram()
+            except NbmoeError:
+                pass                     # ram_locked stays False: pinned copies
+        if self.ram_locked and name in self.in_ram:
             return t.data
         if name not in self.pinned:
             p = self._pinned(t.data.shape, np.uint8)

@@ -108,10 +108,15 @@ class LLM:
             if not is_supported(int(self.weights[name].ggml_type)):
                 raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "
                                  f"which the {buftype} backend does not support")
+        # matrices in RAM that a GPU may upload (offload) or read in place (-zce); never the
+        # embedding (its rows are looked up on the CPU)
+        in_ram = [t for t, (b, _) in self.placement.items()
+                  if b == "CPU" and len(self.weights[t].ne) > 1 and t != "token_embd.weight"]
         in_place = {gpu: [f"blk.{il}.ffn_{k}_exps.weight" for il, (g, _) in self.gpu_slots.items()
                           if g == gpu for k in ("gate", "up", "down")]
                     for gpu in set(on_gpu.values())}
-        return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_place[n])
+        return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_ram,
+                               in_place[n])
                 for n in sorted(set(on_gpu.values()))}
 
     # ---- tokens -------------------------------------------------------------------------
