@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, placement_kwargs, resolve_model)
+                         friendly_errors, placement_kwargs, resolve_model, zce_value)
 
 
 def int_list(s):
@@ -55,7 +55,10 @@ def parse_args(argv=None):
     args.ngl_list = int_list(args.n_gpu_layers)
     args.ub_list = int_list(args.ubatch_size)
     args.rtr_list = [bool(v) for v in int_list(args.run_time_repack)]
-    args.zce_list = int_list(args.zero_copy_experts)
+    try:
+        args.zce_list = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",") if v.strip()]
+    except argparse.ArgumentTypeError as e:
+        p.error(f"argument -zce/--zero-copy-experts: {e}")
     return args
 
 
@@ -158,9 +161,10 @@ def main(argv=None):
                     with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
                         times = run_test(llm, kind, n, args, rng)
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
-                                         bw.get(threads), ngl, ub, zce))
+                                         bw.get(threads), ngl, ub))
                     if args.output == "md":
-                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} zce={zce} t={threads}: "
+                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
+                                          f"zce={rows[-1]['zero_copy_experts']} t={threads}: "
                                           f"{rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
@@ -207,7 +211,7 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     Console(stderr=True, width=200).print(table)
 
 
-def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub, zce=0):
+def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
     ts = np.array([n / t for t in times])
     gpus = [b for b in llm.backends if b != "CPU"]
     return dict(
@@ -217,7 +221,8 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub, zce=0
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
         n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
-        tensor_buft_overrides=";".join(args.override_tensor) or "none", zero_copy_experts=zce,
+        tensor_buft_overrides=";".join(args.override_tensor) or "none",
+        zero_copy_experts=max((s for _, s in llm.gpu_slots.values()), default=0),
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),

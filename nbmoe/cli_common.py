@@ -1,4 +1,5 @@
 """What the command-line tools share: model flags, opening a model, one-line errors."""
+import argparse
 import sys
 from contextlib import contextmanager
 
@@ -40,10 +41,21 @@ def add_placement_args(p, lists=False):
                         f"ops: {', '.join(f'{i}={o}' for i, o in enumerate(OPS))}")
     p.add_argument("--cpu-moe", action="store_true", help="keep all expert tensors in RAM")
     p.add_argument("--n-cpu-moe", type=int, default=0, help="keep the experts of the first N layers in RAM")
-    p.add_argument("-zce", "--zero-copy-experts", default="0" if lists else 0, type=str if lists else int,
+    p.add_argument("-zce", "--zero-copy-experts", default="auto", type=zce_value if not lists else str,
                    help="of each generated token's chosen experts whose weights are in RAM, the GPU "
                         "that routed computes N, reading their weights in place over PCIe, while the "
-                        "CPU computes the others (0 = off" + ("; comma list)" if lists else ")"))
+                        "CPU computes the others (auto = 3/8 of them; 0 = off" +
+                        ("; comma list)" if lists else ")"))
+
+
+def zce_value(v):
+    """-zce: 'auto' or a count of experts."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {v!r}") from None
 
 
 def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None):

@@ -24,6 +24,12 @@ from .scheduler import OffloadPolicy, make_plan
 from .tokenizer import Tokenizer
 
 
+# -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place.
+# The GPU reads them over PCIe at ~41-47 GB/s while 16 CPU threads compute the rest at
+# ~60-75 GB/s; 3 of 8 balanced both on H100 and H200 boxes (tools/zce_sweep.py, README).
+ZERO_COPY_SHARE = 3 / 8
+
+
 class _State:
     """What changes between runs of a bound graph: where in the cache this batch starts."""
 
@@ -34,7 +40,7 @@ class _State:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts=0):
+                 zero_copy_experts="auto"):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -47,7 +53,9 @@ class LLM:
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = threads or default_threads()
-        self.gpu_slots = self._zero_copy_layers(int(zero_copy_experts))
+        auto = str(zero_copy_experts) == "auto"
+        self.gpu_slots = self._zero_copy_layers(
+            round(ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
         # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
         # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
@@ -55,6 +63,7 @@ class LLM:
             numba.set_num_threads(self.threads)
             self.repacked, self.repack_stats = repack_weights(self.file, self.weights, self.placement)
         self.backends = {"CPU": CPUBackend(self.weights, self.repacked), **self._gpu_backends()}
+        self._lock_ram_for_zero_copy(auto)
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
         self.n_ubatch = max(1, int(n_ubatch))
@@ -76,26 +85,40 @@ class LLM:
         rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
-    def _zero_copy_layers(self, n):
+    def _zero_copy_layers(self, n, auto=False):
         """{layer: (GPU, slots)}: the layers whose router runs on a GPU while their experts
         stay in RAM; for one-token batches that GPU computes `slots` = min(n, A - 1) of the
-        chosen experts, reading their weights in place (model.moe_ffn, -zce)."""
-        if n <= 0:
+        chosen experts, reading their weights in place (model.moe_ffn, -zce). auto: none is
+        no error."""
+        if n <= 0 or (auto and not any(b != "CPU" for b, _ in self.placement.values())):
             return {}
-        from .cuda.quants import is_supported
         place = lambda name: self.placement[name][0]
         layers = {}
         moe = self.cfg.is_moe and not self.cfg.flags.post_norms   # (model.moe_ffn)
         for il in range(self.cfg.n_layer if moe else 0):
             exps = [f"blk.{il}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
             router = place(f"blk.{il}.ffn_gate_inp.weight")
-            if (router != "CPU" and all(place(e) == "CPU" for e in exps)
-                    and all(is_supported(int(self.weights[e].ggml_type)) for e in exps)):
-                layers[il] = (router, min(n, self.cfg.n_expert_used - 1))
-        if not layers or max(s for _, s in layers.values()) == 0:
+            if router != "CPU" and all(place(e) == "CPU" for e in exps):
+                from .cuda.quants import is_supported
+                if all(is_supported(int(self.weights[e].ggml_type)) for e in exps):
+                    layers[il] = (router, min(n, self.cfg.n_expert_used - 1))
+        if (not layers or max(s for _, s in layers.values()) == 0) and not auto:
             raise NbmoeError("-zce needs a MoE layer whose router is on a GPU and whose experts "
                              "are in RAM (e.g. -ngl 99 -ot exps=CPU), and more than one active expert")
-        return layers
+        return {il: v for il, v in layers.items() if v[1] > 0}
+
+    def _lock_ram_for_zero_copy(self, auto):
+        """Page-lock the file's RAM matrices now (the GPUs read the experts in place); if the
+        driver refuses, -zce auto quietly keeps every expert on the CPU."""
+        for be in self.backends.values():
+            if getattr(be, "zero_copy", None):
+                try:
+                    be.lock_ram()
+                except NbmoeError:
+                    if not auto:
+                        raise
+                    self.gpu_slots = {}
+                    return
 
     def _gpu_backends(self):
         """One CUDA backend per GPU that holds weights (none: the CPU-only engine)."""
@@ -232,5 +255,6 @@ def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement
     options (hybrid CPU + GPU): n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]),
     offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe, zero_copy_experts
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
-    computes, reading the weights in place over PCIe while the CPU computes the others)."""
+    computes, reading the weights in place over PCIe while the CPU computes the others;
+    "auto" = 3/8 of them where a GPU routes a layer whose experts are in RAM, 0 = none)."""
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

@@ -97,6 +97,10 @@ def test_bad_override_errors(moe_model):
     assert "bad regex '(exps'" in msg
     msg = one_line_error(run(["nbmoe.bench", "-m", moe_model, "-op", "NOPE,1", "-r", "1"]))
     assert "unknown op 'NOPE'" in msg
+    msg = one_line_error(run(["nbmoe.bench", "-m", moe_model, "-zce", "2", "-r", "1"]))
+    assert "-zce needs a MoE layer whose router is on a GPU" in msg     # CPU only: no GPU share
+    r = run(["nbmoe.bench", "-m", moe_model, "-zce", "x", "-r", "1"])
+    assert r.returncode == 2 and "expected 'auto' or a number, got 'x'" in r.stderr
 
 
 def test_explain_and_timings(moe_model):

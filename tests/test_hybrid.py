@@ -56,7 +56,8 @@ def close(a, b, rel=2e-4):
 
 @pytest.mark.parametrize("placement", [
     dict(n_gpu_layers=99),                                   # everything on the GPU
-    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM (-zce auto: 1 of 2 on the GPU)
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0),   # all on the CPU
     dict(n_gpu_layers=2),                                    # output + the last layer
     pytest.param(dict(n_gpu_layers=99, n_cpu_moe=1),         # experts of layer 0 in RAM
                  marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: real GPU only")),
@@ -83,7 +84,7 @@ def test_decode_crossings_in_mapped_memory(model):
     """Experts in RAM, one token: the router's choices and weights and the experts' sum cross
     through mapped host memory (the GPU kernels write / read them there, no copy step); the
     normed x, which the GPU's q/k/v products also read, and the residual stream are copied."""
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0)
     plan = llm.plan(1, 1)
     mapped = {c.buffer for c in plan.copies if c.mapped}
     assert mapped == {"expert_ids", "expert_weights", "ffn_out"}
@@ -94,7 +95,7 @@ def test_decode_crossings_in_mapped_memory(model):
 def test_decode_split_copies_together(model):
     """Experts in RAM: each layer's GPU split ends with every copy its CPU split reads (the
     router's ids and weights, the normed x), so a decode token makes one CUDA graph a layer."""
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0)
     plan = llm.plan(1, 1)
     ops = [what for _, what in plan.labels]
     assert ops.count("GRAPH") == MOE["n_layer"] + 1
@@ -132,6 +133,12 @@ def test_zero_copy_experts_need_a_gpu_router(model):
         nbmoe.load(model, n_ctx=64, zero_copy_experts=1)                      # no GPU
     with pytest.raises(nbmoe.NbmoeError, match="-zce needs"):
         load(model, n_gpu_layers=99, zero_copy_experts=1)                    # experts on the GPU
+    # the default, auto: 3/8 of the chosen experts (here 1 of 2) where a GPU routes a layer
+    # whose experts are in RAM, and no complaint where none does
+    assert nbmoe.load(model, n_ctx=64).gpu_slots == {}
+    assert load(model, n_gpu_layers=99).gpu_slots == {}
+    assert load(model, n_gpu_layers=99, override_tensors=[r"blk\.1\.ffn_.*_exps=CPU"]).gpu_slots == {
+        1: ("CUDA0", 1)}
 
 
 @pytest.fixture

@@ -1,0 +1,69 @@
+"""Which -zce suits this machine: decode speed for several GPU shares, alternated in one run.
+
+    python tools/zce_sweep.py -m model.gguf -ngl 99 -ot exps=CPU -t 16 --zce 0,1,2,3,4
+
+Loads the model once per value (all loads share the page cache and the locked mapping),
+then decodes --tokens tokens with each in turn, --rounds times, so that the RAM bandwidth's
+swings (minutes long on some machines) hit every value alike. Prints per value the median
+tokens/s, the RAM GB/s it implies (expert bytes read per token from RAM, by the CPU and over
+PCIe together) and its share of the streaming read measured in the same run.
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def decode_rate(llm, n_tokens, token):
+    """Tokens/s of n_tokens one-token steps after the cached ones (the cache is rewound)."""
+    keep = len(llm.tokens)
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        llm.eval([token])
+    rate = n_tokens / (time.perf_counter() - t0)
+    del llm.tokens[keep:]
+    return rate
+
+
+def main(argv=None):
+    import nbmoe
+    from nbmoe.bench import model_facts
+    from nbmoe.cli_common import add_placement_args, placement_kwargs
+    from nbmoe.cpu.membw import read_bandwidth
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--zce", default="0,1,2,3,4", help="GPU shares to compare (comma list)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens a round")
+    ap.add_argument("--rounds", type=int, default=6)
+    add_placement_args(ap)
+    a = ap.parse_args(argv)
+    values = [int(v) for v in a.zce.split(",")]
+    kw = placement_kwargs(a)
+    llms = {}
+    for v in values:
+        kw["zero_copy_experts"] = v
+        llm = llms[v] = nbmoe.load(a.model, n_ctx=a.tokens + 32, threads=a.threads, **kw)
+        llm.eval([1, 2, 3, 4])
+        decode_rate(llm, 4, 5)              # compile, record the graphs
+    rates = {v: [] for v in values}
+    bws = []
+    for _ in range(a.rounds):
+        bws.append(read_bandwidth())
+        for v in values:
+            rates[v].append(decode_rate(llms[v], a.tokens, 5))
+    ram = model_facts(llms[values[0]])["ram_bytes_per_token"]
+    bw = float(np.median(bws))
+    print(f"streaming read (median of {a.rounds}): {bw:.1f} GB/s; "
+          f"{ram / 2**20:.0f} MiB of RAM weights a token")
+    print(f"{'zce':>4s} {'t/s median':>11s} {'min':>7s} {'max':>7s} {'RAM GB/s':>9s} {'of read':>8s}")
+    for v in values:
+        r = np.array(rates[v])
+        med = float(np.median(r))
+        print(f"{v:4d} {med:11.2f} {r.min():7.2f} {r.max():7.2f} {med * ram / 1e9:9.1f} "
+              f"{med * ram / 1e9 / bw:8.0%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
