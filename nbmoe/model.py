@@ -94,15 +94,16 @@ def _experts(g, cfg, p, T, name, slots, **params):
     over the chosen-expert slots lo..hi-1 (None: all of them)."""
     F, D = cfg.n_ff_exp, cfg.n_embd
     A = cfg.n_expert_used if slots is None else slots[1] - slots[0]
-    if slots is not None:
+    if slots is not None:             # buffers are shared by the layers: one set per shape
         params["slots"] = slots
+        name += f"{slots[0]}-{slots[1]}_"
     gate, up, down = name + "gate", name + "up", name + "down"
     g.add_node("MUL_MAT_ID", gate, (T, A, F), ["h", "expert_ids"], p + "ffn_gate_exps.weight", **params)
     g.add_node("MUL_MAT_ID", up, (T, A, F), ["h", "expert_ids"], p + "ffn_up_exps.weight", **params)
     g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.ffn_act, **params)
     g.add_node("MUL_MAT_ID", down, (T, A, D), [gate, "expert_ids"],                       # [T, A, D]
                p + "ffn_down_exps.weight", **params)
-    out = "zc_out" if name == "zc_" else "ffn_out"
+    out = "zc_out" if name.startswith("zc_") else "ffn_out"
     g.add_node("MOE_COMBINE", out, (T, D), [down, "expert_weights"], **params)            # [T, D]
 
 

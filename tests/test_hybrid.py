@@ -137,8 +137,10 @@ def test_zero_copy_experts_need_a_gpu_router(model):
     # whose experts are in RAM, and no complaint where none does
     assert nbmoe.load(model, n_ctx=64).gpu_slots == {}
     assert load(model, n_gpu_layers=99).gpu_slots == {}
-    assert load(model, n_gpu_layers=99, override_tensors=[r"blk\.1\.ffn_.*_exps=CPU"]).gpu_slots == {
-        1: ("CUDA0", 1)}
+    llm = load(model, n_gpu_layers=99, override_tensors=[r"blk\.1\.ffn_.*_exps=CPU"])
+    assert llm.gpu_slots == {1: ("CUDA0", 1)}
+    nodes = llm.plan(1, 1).graph.nodes          # layer 0 all on the GPU, layer 1 shared
+    assert [n.params.get("slots") for n in nodes if n.op == "MUL_MAT_ID"] == [None] * 3 + [(0, 1)] * 3 + [(1, 2)] * 3
 
 
 @pytest.fixture
