@@ -296,3 +296,14 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
         # into one FMA in one kernel and not in its fused twin (one rounding less), and an
         # 8-bit code of x can then round the other way
         assert np.array_equal(a, b) if cuda_setup.SIM else close(a, b, 1e-2)
+
+
+def test_zce_sweep_tool(whole, capsys):
+    """tools/zce_sweep.py decodes with each share in alternated rounds and prints a row each."""
+    import zce_sweep
+    zce_sweep.main(["-m", whole, "-t", "2", "-ngl", "99", "-ot", "exps=CPU", *(
+        ["-ot", "^output=CPU"] if KEEP_OUTPUT else []), "--zce", "0,1", "--tokens", "1", "--rounds", "1", "--read-mb", "32"])
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("0", "1")]
+    assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows)
+    assert "streaming read" in out

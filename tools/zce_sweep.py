@@ -37,6 +37,7 @@ def main(argv=None):
     ap.add_argument("--zce", default="0,1,2,3,4", help="GPU shares to compare (comma list)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens a round")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--read-mb", type=int, default=512, help="buffer of the streaming-read measurement")
     add_placement_args(ap)
     a = ap.parse_args(argv)
     values = [int(v) for v in a.zce.split(",")]
@@ -45,12 +46,12 @@ def main(argv=None):
     for v in values:
         kw["zero_copy_experts"] = v
         llm = llms[v] = nbmoe.load(a.model, n_ctx=a.tokens + 32, threads=a.threads, **kw)
-        llm.eval([1, 2, 3, 4])
-        decode_rate(llm, 4, 5)              # compile, record the graphs
+        llm.eval([1, 2])
+        decode_rate(llm, 2, 5)              # compile, then record the graphs
     rates = {v: [] for v in values}
     bws = []
     for _ in range(a.rounds):
-        bws.append(read_bandwidth())
+        bws.append(read_bandwidth(a.read_mb << 20))
         for v in values:
             rates[v].append(decode_rate(llms[v], a.tokens, 5))
     ram = model_facts(llms[values[0]])["ram_bytes_per_token"]
