@@ -33,6 +33,8 @@ def register_span(arrays):
     if SIM or not arrays:
         return
     from cuda.bindings import driver as drv
+    from numba import cuda
+    cuda.current_context()              # the driver initialised, a context current
     m = _mapping(arrays[0])
     lo = min(a.ctypes.data for a in arrays)
     hi = max(a.ctypes.data + a.nbytes for a in arrays)
