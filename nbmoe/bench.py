@@ -222,7 +222,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
-        zero_copy_experts=max((s for _, s in llm.gpu_slots.values()), default=0),
+        zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),

@@ -44,7 +44,7 @@ def add_placement_args(p, lists=False):
     p.add_argument("-zce", "--zero-copy-experts", default="auto", type=zce_value if not lists else str,
                    help="of each generated token's chosen experts whose weights are in RAM, the GPU "
                         "that routed computes N, reading their weights in place over PCIe, while the "
-                        "CPU computes the others (auto = 3/8 of them; 0 = off" +
+                        "CPU computes the others (auto = from 3/8 of them, balanced while generating; 0 = off" +
                         ("; comma list)" if lists else ")"))
 
 

@@ -22,11 +22,13 @@ from .repack import repack_weights
 from .sampling import Sampler, SamplingParams
 from .scheduler import OffloadPolicy, make_plan
 from .tokenizer import Tokenizer
+from .zero_copy import ShareBalancer, measured_times
 
 
-# -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place.
-# The GPU reads them over PCIe at ~41-47 GB/s while 16 CPU threads compute the rest at
-# ~60-75 GB/s; 3 of 8 balanced both on H100 and H200 boxes (tools/zce_sweep.py, README).
+# -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
+# start with (zero_copy.ShareBalancer moves it while generating). The GPU reads them over
+# PCIe at ~41-47 GB/s while 16 CPU threads compute the rest at ~60-75 GB/s: 3 of 8 were best
+# on an H100 box, 2 or 3 on H200 boxes (tools/zce_sweep.py, README).
 ZERO_COPY_SHARE = 3 / 8
 
 
@@ -64,6 +66,11 @@ class LLM:
             self.repacked, self.repack_stats = repack_weights(self.file, self.weights, self.placement)
         self.backends = {"CPU": CPUBackend(self.weights, self.repacked), **self._gpu_backends()}
         self._lock_ram_for_zero_copy(auto)
+        # the GPU share in use; -zce auto balances it while generating (zero_copy.py)
+        self.zce_share = max((s for _, s in self.gpu_slots.values()), default=0)
+        self.balancer = None
+        if auto and self.zce_share and not _simulated(self.backends):
+            self.balancer = ShareBalancer(self.zce_share, self.cfg.n_expert_used)
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
         self.n_ubatch = max(1, int(n_ubatch))
@@ -155,10 +162,11 @@ class LLM:
         self.tokens = []
 
     def plan(self, n_tokens, n_logits):
-        key = (n_tokens, n_logits)
+        share = self.zce_share if n_tokens == 1 else 0
+        key = (n_tokens, n_logits, share)
         if key not in self._plans:
-            slots = ([self.gpu_slots.get(il, (None, 0))[1] for il in range(self.cfg.n_layer)]
-                     if n_tokens == 1 and self.gpu_slots else None)
+            slots = [share if il in self.gpu_slots else 0
+                     for il in range(self.cfg.n_layer)] if share else None
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", slots)
             self._plans[key] = make_plan(g, self.backends, self.state,
                                          lambda name: self.placement[name][0], self.policy, self.cfg)
@@ -186,11 +194,29 @@ class LLM:
             plan.buffers["tokens"][:] = chunk
             plan.buffers["pos"][:] = np.arange(len(self.tokens), len(self.tokens) + len(chunk))
             self.state.pos0 = len(self.tokens)
-            plan.run() if timings is None else plan.run_timed(timings)
+            if timings is not None:
+                plan.run_timed(timings)
+            elif len(chunk) == 1 and self.balancer is not None and self.balancer.due():
+                self._run_balancing(plan)
+            else:
+                plan.run()
             self.tokens.extend(chunk)
             if n_logits:
                 out.append(plan.buffers["logits"].copy())
         return np.concatenate(out) if all_logits else out[-1][-1]
+
+    def _run_balancing(self, plan):
+        """Run a one-token plan with its GPU and CPU expert shares timed, then let the
+        balancer pick the share the next tokens use (zero_copy.py)."""
+        steps = plan.launch_ahead
+        for s in steps:
+            s.measure, s.cpu_share_seconds = True, None
+        try:
+            plan.run()
+        finally:
+            for s in steps:
+                s.measure = False
+        self.zce_share = self.balancer.update(*measured_times(plan))
 
     def eval(self, ids):
         """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""
@@ -243,6 +269,11 @@ class LLM:
             yield rest
 
 
+def _simulated(backends):
+    """The CUDA simulator has no device clock to balance the shares by."""
+    return any(getattr(be, "sim", False) for be in backends.values())
+
+
 def default_threads():
     """Like llama.cpp: one thread per available core (at most Numba's pool size)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -256,5 +287,6 @@ def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement
     offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe, zero_copy_experts
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
     computes, reading the weights in place over PCIe while the CPU computes the others;
-    "auto" = 3/8 of them where a GPU routes a layer whose experts are in RAM, 0 = none)."""
+    "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
+    a layer whose experts are in RAM; 0 = none)."""
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

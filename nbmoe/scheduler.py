@@ -136,6 +136,12 @@ class Plan:
     def copy_bytes(self):
         return sum(c.n_bytes for c in self.copies)
 
+    @property
+    def launch_ahead(self):
+        """The plan's _LaunchAhead steps (one a layer with a GPU share of its experts)."""
+        return [getattr(s, "step", s) for s in self.steps
+                if isinstance(getattr(s, "step", s), _LaunchAhead)]
+
 
 def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cache_backend=None):
     """Set node.backend and node.cause for every node (see the module docstring)."""
@@ -348,7 +354,8 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
             j += 1
         run = backends[gpu].graph_run(steps[i:j], labels[i:j], wait=not is_ahead)
         if is_ahead and out_on and out_on[-1] == gpu and isinstance(out_steps[-1], type(run)):
-            out_steps[-1] = _LaunchAhead(out_steps[-1], run, backends[gpu])
+            prev = next((s for s in reversed(out_steps) if isinstance(s, _LaunchAhead)), None)
+            out_steps[-1] = _LaunchAhead(out_steps[-1], run, backends[gpu], prev)
         else:
             out_steps.append(run)
             out_labels.append((gpu, "GRAPH"))
@@ -360,19 +367,35 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
 class _LaunchAhead:
     """A graph the host waits for (the routing and the copies the CPU's experts read), and
     after it, on the same stream, a graph it does not wait for (the GPU's zero-copy experts):
-    both are launched before the wait, which ends at an event between them."""
+    both are launched before the wait, which ends at an event between them.
+    With `measure` set, a call also records an event after the second graph, so that
+    gpu_share_seconds() gives the GPU share's device time (it starts when the first graph
+    ends), and the host's time from the end of the wait to the next _LaunchAhead's call (the
+    CPU's share of the layer, `prev` links them) lands in cpu_share_seconds: what
+    zero_copy.ShareBalancer weighs."""
     waits_itself = True     # Plan.run_timed: no stream synchronisation after it
 
-    def __init__(self, first, second, backend):
+    def __init__(self, first, second, backend, prev=None):
         first.wait = False
         self.first, self.second, self.stream = first, second, backend.stream
-        self.event = backend.cuda.event()
+        self.event, self.done = backend.cuda.event(), backend.cuda.event()
+        self.prev, self.measure, self.released, self.cpu_share_seconds = prev, False, None, None
 
     def __call__(self):
+        if self.measure and self.prev is not None:
+            self.prev.cpu_share_seconds = time.perf_counter() - self.prev.released
         self.first()
         self.event.record(self.stream)
         self.second()
+        if self.measure:
+            self.done.record(self.stream)
         self.event.synchronize()
+        if self.measure:
+            self.released = time.perf_counter()
+
+    def gpu_share_seconds(self):
+        """Device time of the last measured call's second graph (once the stream passed it)."""
+        return self.event.elapsed_time(self.done) / 1e3
 
     def run_timed(self, acc):
         self.first.run_timed(acc)

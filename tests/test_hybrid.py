@@ -128,6 +128,23 @@ def test_zero_copy_experts_equal_cpu(tiny_model, slots):
         assert close(llm.eval([tok]), ref.eval([tok]))
 
 
+@pytest.mark.skipif(cuda_setup.SIM, reason="the balancer needs the device clock (real GPU only)")
+def test_zero_copy_share_balances_while_generating(tiny_model):
+    """-zce auto: every few generated tokens the GPU and CPU shares are timed and the share
+    may move; the logits stay the CPU engine's whatever share a token ran with."""
+    from nbmoe.zero_copy import EVERY
+    path = tiny_model(**{**MOE, "n_expert_used": 4}, types=[("exps", "Q4_0")], default_type="Q8_0")
+    llm = load(path, n_gpu_layers=99, override_tensors=["exps=CPU"])
+    assert llm.balancer is not None and llm.zce_share == 2     # round(3/8 * 4)
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    assert close(llm.eval(PROMPT), ref.eval(PROMPT))
+    for tok in range(3 * EVERY):
+        assert close(llm.eval([tok + 5]), ref.eval([tok + 5]))
+    hist = llm.balancer.history          # (a share of 0 is final: nothing more to measure)
+    assert len(hist) == 3 or (llm.zce_share == 0 and hist)
+    assert all(g > 0 and c > 0 for _, g, c in hist)
+
+
 def test_zero_copy_experts_need_a_gpu_router(model):
     with pytest.raises(nbmoe.NbmoeError, match="-zce needs"):
         nbmoe.load(model, n_ctx=64, zero_copy_experts=1)                      # no GPU

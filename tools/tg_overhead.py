@@ -89,7 +89,7 @@ def main(argv=None):
     times = {mode: [] for mode in MODES}
     for r in range(args.repetitions + 1):          # the first round warms up
         for mode in (MODES if r % 2 else reversed(MODES)):
-            llm._plans[(1, 1)] = plans[mode]
+            llm._plans[(1, 1, 0)] = plans[mode]
             t = run_tokens(llm, args.n_gen)
             if r:
                 times[mode].append(t)
@@ -97,7 +97,7 @@ def main(argv=None):
     print(f"{'mode':8} {'steps':>6} {'regions':>8} {'ms/token':>9} {'t/s':>7} "
           f"{'steps sum':>10} {'between':>8}   (medians; per-step timings of one run)")
     for mode, plan in plans.items():
-        llm._plans[(1, 1)] = plan
+        llm._plans[(1, 1, 0)] = plan
         acc = new_timing_table()
         llm.reset()
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Which -zce suits this machine: decode speed for several GPU shares, alternated in one run.
 
-    python tools/zce_sweep.py -m model.gguf -ngl 99 -ot exps=CPU -t 16 --zce 0,1,2,3,4
+    python tools/zce_sweep.py -m model.gguf -ngl 99 -ot exps=CPU -t 16 --zce 0,1,2,3,4,auto
 
 Loads the model once per value (all loads share the page cache and the locked mapping),
 then decodes --tokens tokens with each in turn, --rounds times, so that the RAM bandwidth's
@@ -34,13 +34,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", type=int, default=None)
-    ap.add_argument("--zce", default="0,1,2,3,4", help="GPU shares to compare (comma list)")
+    ap.add_argument("--zce", default="0,1,2,3,4,auto", help="GPU shares to compare (comma list)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens a round")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--read-mb", type=int, default=512, help="buffer of the streaming-read measurement")
     add_placement_args(ap)
     a = ap.parse_args(argv)
-    values = [int(v) for v in a.zce.split(",")]
+    values = [v if v == "auto" else int(v) for v in a.zce.split(",")]
     kw = placement_kwargs(a)
     llms = {}
     for v in values:
@@ -58,11 +58,12 @@ def main(argv=None):
     bw = float(np.median(bws))
     print(f"streaming read (median of {a.rounds}): {bw:.1f} GB/s; "
           f"{ram / 2**20:.0f} MiB of RAM weights a token")
-    print(f"{'zce':>4s} {'t/s median':>11s} {'min':>7s} {'max':>7s} {'RAM GB/s':>9s} {'of read':>8s}")
+    print(f"{'zce':>6s} {'t/s median':>11s} {'min':>7s} {'max':>7s} {'RAM GB/s':>9s} {'of read':>8s}")
     for v in values:
         r = np.array(rates[v])
         med = float(np.median(r))
-        print(f"{v:4d} {med:11.2f} {r.min():7.2f} {r.max():7.2f} {med * ram / 1e9:9.1f} "
+        name = f"auto:{llms[v].zce_share}" if v == "auto" else str(v)   # auto: its share at the end
+        print(f"{name:>6s} {med:11.2f} {r.min():7.2f} {r.max():7.2f} {med * ram / 1e9:9.1f} "
               f"{med * ram / 1e9 / bw:8.0%}")
 
 

@@ -1,0 +1,50 @@
+"""-zce auto: the GPU's share of each generated token's chosen experts, balanced as it runs.
+
+A MoE layer's GPU share (S experts whose weights the GPU reads from RAM over PCIe) and its
+CPU share (the other A - S) run at the same time, and the next layer waits for the slower.
+Which S balances them depends on the machine and moves with the RAM bandwidth the CPU gets
+(measured: 3 of 8 best on one H200 lend, 2 on another). So every EVERY-th generated token
+is measured: per layer, the GPU share's device time (CUDA events around its graph) and the
+CPU share's host time (scheduler._LaunchAhead), and ShareBalancer moves S by one:
+  down  when the GPU share is the slower by more than SLACK (the layer waits for it);
+  up    when the GPU would still finish first with one expert more, by a per-expert
+        proportional estimate of both sides. That estimate leaves out the CPU share's fixed
+        costs (parallel regions, x's quantization), so it expects the CPU to gain more than
+        it does: a step up is taken only where the GPU stays the faster, and never undone
+        by the next measurement.
+S = 0 (the CPU computes all) has no GPU share to measure: it is final.
+"""
+import numpy as np
+
+EVERY = 8          # generated tokens between two measured ones
+SLACK = 1.10       # the GPU share may take this much longer than the CPU's before S drops
+
+
+class ShareBalancer:
+    def __init__(self, share, n_used):
+        self.share, self.n_used, self.tokens = share, n_used, 0
+        self.history = []            # (share, GPU seconds, CPU seconds) per measured token
+
+    def due(self):
+        """Whether to measure this generated token."""
+        self.tokens += 1
+        return self.share > 0 and self.tokens % EVERY == 0
+
+    def update(self, gpu_s, cpu_s):
+        """A measured token's per-layer GPU and CPU share times (medians) -> the new share."""
+        S, A = self.share, self.n_used
+        self.history.append((S, gpu_s, cpu_s))
+        if gpu_s > SLACK * cpu_s:
+            self.share = S - 1
+        elif S < A - 1 and gpu_s * (S + 1) / S < cpu_s * (A - S - 1) / (A - S):
+            self.share = S + 1
+        return self.share
+
+
+def measured_times(plan):
+    """(GPU, CPU) share seconds of a layer, medians over the plan's layers, after a run with
+    every _LaunchAhead's `measure` set (and their cpu_share_seconds cleared before)."""
+    steps = plan.launch_ahead
+    gpu = [s.gpu_share_seconds() for s in steps]
+    cpu = [s.cpu_share_seconds for s in steps if s.cpu_share_seconds is not None]
+    return float(np.median(gpu)), float(np.median(cpu)) if cpu else float("inf")

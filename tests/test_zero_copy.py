@@ -1,0 +1,25 @@
+"""-zce auto's share balancer (zero_copy.py): the decisions on given GPU / CPU share times.
+(The engine measures those times on a real GPU: tests/test_hybrid.py.)"""
+from nbmoe.zero_copy import EVERY, ShareBalancer
+
+
+def test_measures_every_few_tokens():
+    b = ShareBalancer(3, 8)
+    assert [b.due() for _ in range(2 * EVERY)].count(True) == 2
+
+
+def test_moves_the_share_towards_balance():
+    b = ShareBalancer(3, 8)
+    assert b.update(200e-6, 150e-6) == 2     # the GPU share is the slower: give one back
+    assert b.update(100e-6, 200e-6) == 3     # 2 -> 3 keeps the GPU faster (150 < 200 * 5/6)
+    assert b.update(150e-6, 160e-6) == 3     # near balance: stay
+    assert b.update(150e-6, 140e-6) == 3     # within the 10% slack: stay
+    assert [h[0] for h in b.history] == [3, 2, 3, 3]
+
+
+def test_bounds():
+    top = ShareBalancer(7, 8)
+    assert top.update(1e-6, 1.0) == 7         # at most A - 1: the CPU keeps a share
+    low = ShareBalancer(1, 8)
+    assert low.update(300e-6, 100e-6) == 0   # the GPU is slower even with one expert
+    assert not any(low.due() for _ in range(4 * EVERY))   # nothing left to measure
