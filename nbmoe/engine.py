@@ -22,7 +22,7 @@ from .repack import repack_weights
 from .sampling import Sampler, SamplingParams
 from .scheduler import OffloadPolicy, make_plan
 from .tokenizer import Tokenizer
-from .zero_copy import ShareBalancer, measured_times
+from .zero_copy import ShareBalancer, measured_times, sampled_layers
 
 
 # -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
@@ -208,7 +208,7 @@ class LLM:
     def _run_balancing(self, plan):
         """Run a one-token plan with its GPU and CPU expert shares timed, then let the
         balancer pick the share the next tokens use (zero_copy.py)."""
-        steps = plan.launch_ahead
+        steps = sampled_layers(plan)
         for s in steps:
             s.measure, s.cpu_share_seconds = True, None
         try:
@@ -216,7 +216,7 @@ class LLM:
         finally:
             for s in steps:
                 s.measure = False
-        self.zce_share = self.balancer.update(*measured_times(plan))
+        self.zce_share = self.balancer.update(*measured_times(steps))
 
     def eval(self, ids):
         """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""

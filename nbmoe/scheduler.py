@@ -371,7 +371,7 @@ class _LaunchAhead:
     With `measure` set, a call also records an event after the second graph, so that
     gpu_share_seconds() gives the GPU share's device time (it starts when the first graph
     ends), and the host's time from the end of the wait to the next _LaunchAhead's call (the
-    CPU's share of the layer, `prev` links them) lands in cpu_share_seconds: what
+    CPU's share of the layer; `prev` links them) lands in cpu_share_seconds: what
     zero_copy.ShareBalancer weighs."""
     waits_itself = True     # Plan.run_timed: no stream synchronisation after it
 
@@ -382,8 +382,9 @@ class _LaunchAhead:
         self.prev, self.measure, self.released, self.cpu_share_seconds = prev, False, None, None
 
     def __call__(self):
-        if self.measure and self.prev is not None:
-            self.prev.cpu_share_seconds = time.perf_counter() - self.prev.released
+        prev = self.prev
+        if prev is not None and prev.measure:
+            prev.cpu_share_seconds = time.perf_counter() - prev.released
         self.first()
         self.event.record(self.stream)
         self.second()

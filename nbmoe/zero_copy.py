@@ -6,7 +6,9 @@ Which S balances them depends on the machine and moves with the RAM bandwidth th
 (measured: 3 of 8 best on one H200 lend, 2 on another). So every EVERY-th generated token
 is measured: per layer, the GPU share's device time (CUDA events around its graph) and the
 CPU share's host time (scheduler._LaunchAhead), and ShareBalancer moves S by one:
-  down  when the GPU share is the slower by more than SLACK (the layer waits for it);
+  down  when the GPU share is the slower (by more than SLACK: noise), as the layer waits for
+        it (measured on an H200: the CPU share's time hardly moved between 5 and 6 experts,
+        ~190 us, while the GPU's grew ~68 us an expert);
   up    when the GPU would still finish first with one expert more, by a per-expert
         proportional estimate of both sides. That estimate leaves out the CPU share's fixed
         costs (parallel regions, x's quantization), so it expects the CPU to gain more than
@@ -17,7 +19,8 @@ S = 0 (the CPU computes all) has no GPU share to measure: it is final.
 import numpy as np
 
 EVERY = 8          # generated tokens between two measured ones
-SLACK = 1.10       # the GPU share may take this much longer than the CPU's before S drops
+SAMPLE = 4         # of a measured token, every SAMPLE-th layer is timed
+SLACK = 1.02       # the GPU share may take this much longer than the CPU's before S drops
 
 
 class ShareBalancer:
@@ -41,10 +44,16 @@ class ShareBalancer:
         return self.share
 
 
-def measured_times(plan):
-    """(GPU, CPU) share seconds of a layer, medians over the plan's layers, after a run with
-    every _LaunchAhead's `measure` set (and their cpu_share_seconds cleared before)."""
+def sampled_layers(plan):
+    """The _LaunchAhead steps (one a shared layer) timed on a measured token: every
+    SAMPLE-th, so that the events cost little (the last one needs a next layer)."""
     steps = plan.launch_ahead
+    return steps[:-1][::SAMPLE] or steps[:1]
+
+
+def measured_times(steps):
+    """(GPU, CPU) share seconds of a layer, medians over `steps`, after a run with their
+    `measure` set (and their cpu_share_seconds cleared before)."""
     gpu = [s.gpu_share_seconds() for s in steps]
     cpu = [s.cpu_share_seconds for s in steps if s.cpu_share_seconds is not None]
     return float(np.median(gpu)), float(np.median(cpu)) if cpu else float("inf")

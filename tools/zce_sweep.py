@@ -65,6 +65,10 @@ def main(argv=None):
         name = f"auto:{llms[v].zce_share}" if v == "auto" else str(v)   # auto: its share at the end
         print(f"{name:>6s} {med:11.2f} {r.min():7.2f} {r.max():7.2f} {med * ram / 1e9:9.1f} "
               f"{med * ram / 1e9 / bw:8.0%}")
+    if "auto" in values and llms["auto"].balancer is not None:
+        hist = llms["auto"].balancer.history
+        print("auto, per measured token (share: GPU / CPU share us a layer): " + ", ".join(
+            f"{s}: {g * 1e6:.0f}/{c * 1e6:.0f}" for s, g, c in hist))
 
 
 if __name__ == "__main__":
