@@ -5,7 +5,8 @@ CPU share (the other A - S) run at the same time, and the next layer waits for t
 Which S balances them depends on the machine and moves with the RAM bandwidth the CPU gets
 (measured: 3 of 8 best on one H200 lend, 2 on another). So every EVERY-th generated token
 is measured: per layer, the GPU share's device time (CUDA events around its graph) and the
-CPU share's host time (scheduler._LaunchAhead), and ShareBalancer moves S by one:
+CPU share's host time (scheduler._LaunchAhead), and ShareBalancer moves S by one when two
+measured tokens in a row ask for the same move:
   down  when the GPU share is the slower (by more than SLACK: noise), as the layer waits for
         it (measured on an H200: the CPU share's time hardly moved between 5 and 6 experts,
         ~190 us, while the GPU's grew ~68 us an expert);
@@ -25,7 +26,7 @@ SLACK = 1.02       # the GPU share may take this much longer than the CPU's befo
 
 class ShareBalancer:
     def __init__(self, share, n_used):
-        self.share, self.n_used, self.tokens = share, n_used, 0
+        self.share, self.n_used, self.tokens, self.pending = share, n_used, 0, 0
         self.history = []            # (share, GPU seconds, CPU seconds) per measured token
 
     def due(self):
@@ -34,13 +35,19 @@ class ShareBalancer:
         return self.share > 0 and self.tokens % EVERY == 0
 
     def update(self, gpu_s, cpu_s):
-        """A measured token's per-layer GPU and CPU share times (medians) -> the new share."""
+        """A measured token's per-layer GPU and CPU share times (medians) -> the share to use.
+        A move needs two measured tokens in a row that ask for it (one can be an outlier:
+        seen on an H200, a CPU share of 195 us among 215-251)."""
         S, A = self.share, self.n_used
         self.history.append((S, gpu_s, cpu_s))
+        want = 0
         if gpu_s > SLACK * cpu_s:
-            self.share = S - 1
+            want = -1
         elif S < A - 1 and gpu_s * (S + 1) / S < cpu_s * (A - S - 1) / (A - S):
-            self.share = S + 1
+            want = 1
+        if want and want == self.pending:
+            self.share, want = S + want, 0
+        self.pending = want
         return self.share
 
 
