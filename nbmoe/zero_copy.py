@@ -10,11 +10,10 @@ measured tokens in a row ask for the same move:
   down  when the GPU share is the slower (by more than SLACK: noise), as the layer waits for
         it (measured on an H200: the CPU share's time hardly moved between 5 and 6 experts,
         ~190 us, while the GPU's grew ~68 us an expert);
-  up    when the GPU would still finish first with one expert more, by a per-expert
-        proportional estimate of both sides. That estimate leaves out the CPU share's fixed
-        costs (parallel regions, x's quantization), so it expects the CPU to gain more than
-        it does: a step up is taken only where the GPU stays the faster, and never undone
-        by the next measurement.
+  up    when the GPU would still finish first with one expert more (its time there as
+        last measured, or scaled by experts; the CPU's taken as it is now, see update).
+The CPU share's speed swings with the RAM bandwidth the machine gets, so the share follows
+it (replayed on the measurements of three H200 lends in tests/test_zero_copy.py).
 S = 0 (the CPU computes all) has no GPU share to measure: it is final.
 """
 import numpy as np
@@ -28,6 +27,7 @@ class ShareBalancer:
     def __init__(self, share, n_used):
         self.share, self.n_used, self.tokens, self.pending = share, n_used, 0, 0
         self.history = []            # (share, GPU seconds, CPU seconds) per measured token
+        self.gpu_at = {}             # share -> its GPU share's last measured seconds
 
     def due(self):
         """Whether to measure this generated token."""
@@ -40,10 +40,15 @@ class ShareBalancer:
         seen on an H200, a CPU share of 195 us among 215-251)."""
         S, A = self.share, self.n_used
         self.history.append((S, gpu_s, cpu_s))
+        self.gpu_at[S] = gpu_s
+        # the GPU share with one expert more: as last measured there, else S + 1 experts at
+        # this one's rate; the CPU share's time is taken as it is now (on H200s it hardly
+        # moved between 5 and 6 experts: its fixed costs and the RAM's swings dominate)
+        gpu_up = self.gpu_at.get(S + 1, gpu_s * (S + 1) / S)
         want = 0
         if gpu_s > SLACK * cpu_s:
             want = -1
-        elif S < A - 1 and gpu_s * (S + 1) / S < cpu_s * (A - S - 1) / (A - S):
+        elif S < A - 1 and SLACK * gpu_up < cpu_s:
             want = 1
         if want and want == self.pending:
             self.share, want = S + want, 0
