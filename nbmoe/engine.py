@@ -97,7 +97,7 @@ class LLM:
         stay in RAM; for one-token batches that GPU computes `slots` = min(n, A - 1) of the
         chosen experts, reading their weights in place (model.moe_ffn, -zce). auto: none is
         no error."""
-        if n <= 0 or (auto and not any(b != "CPU" for b, _ in self.placement.values())):
+        if n <= 0:
             return {}
         place = lambda name: self.placement[name][0]
         layers = {}

@@ -84,14 +84,14 @@ def moe_ffn(g, cfg, p, T, gpu_slots=0):
     S = max(0, min(int(gpu_slots), A - 1))
     if S:
         assert not cfg.flags.post_norms, "the GPU's share would skip the post-FFN norm"
-        _experts(g, cfg, p, T, "zc_", (0, S), zero_copy=True)
+        _experts(g, cfg, p, T, "zc_", "zc_out", (0, S), zero_copy=True)
         g.add_node("ADD", "x", (T, D), ["x", "zc_out"], zero_copy=True)
-    _experts(g, cfg, p, T, "exp_", (S, A) if S else None)
+    _experts(g, cfg, p, T, "exp_", "ffn_out", (S, A) if S else None)
 
 
-def _experts(g, cfg, p, T, name, slots, **params):
-    """GLU experts and their weighted sum (into ffn_out, or zc_out for the zero-copy share)
-    over the chosen-expert slots lo..hi-1 (None: all of them)."""
+def _experts(g, cfg, p, T, name, out, slots, **params):
+    """GLU experts and their weighted sum into `out` over the chosen-expert slots lo..hi-1
+    (None: all of them)."""
     F, D = cfg.n_ff_exp, cfg.n_embd
     A = cfg.n_expert_used if slots is None else slots[1] - slots[0]
     if slots is not None:             # buffers are shared by the layers: one set per shape
@@ -103,7 +103,6 @@ def _experts(g, cfg, p, T, name, slots, **params):
     g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.ffn_act, **params)
     g.add_node("MUL_MAT_ID", down, (T, A, D), [gate, "expert_ids"],                       # [T, A, D]
                p + "ffn_down_exps.weight", **params)
-    out = "zc_out" if name.startswith("zc_") else "ffn_out"
     g.add_node("MOE_COMBINE", out, (T, D), [down, "expert_weights"], **params)            # [T, D]
 
 

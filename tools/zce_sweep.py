@@ -10,25 +10,13 @@ PCIe together) and its share of the streaming read measured in the same run.
 """
 import argparse
 import sys
-import time
 
 import numpy as np
 
 
-def decode_rate(llm, n_tokens, token):
-    """Tokens/s of n_tokens one-token steps after the cached ones (the cache is rewound)."""
-    keep = len(llm.tokens)
-    t0 = time.perf_counter()
-    for _ in range(n_tokens):
-        llm.eval([token])
-    rate = n_tokens / (time.perf_counter() - t0)
-    del llm.tokens[keep:]
-    return rate
-
-
 def main(argv=None):
     import nbmoe
-    from nbmoe.bench import model_facts
+    from nbmoe.bench import model_facts, run_tg
     from nbmoe.cli_common import add_placement_args, placement_kwargs
     from nbmoe.cpu.membw import read_bandwidth
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,18 +30,17 @@ def main(argv=None):
     a = ap.parse_args(argv)
     values = [v if v == "auto" else int(v) for v in a.zce.split(",")]
     kw = placement_kwargs(a)
-    llms = {}
+    llms, rng = {}, np.random.default_rng(0)
     for v in values:
         kw["zero_copy_experts"] = v
-        llm = llms[v] = nbmoe.load(a.model, n_ctx=a.tokens + 32, threads=a.threads, **kw)
-        llm.eval([1, 2])
-        decode_rate(llm, 2, 5)              # compile, then record the graphs
+        llms[v] = nbmoe.load(a.model, n_ctx=a.tokens + 32, threads=a.threads, **kw)
+        run_tg(llms[v], 2, rng)             # compile, then record the graphs
     rates = {v: [] for v in values}
     bws = []
     for _ in range(a.rounds):
         bws.append(read_bandwidth(a.read_mb << 20))
         for v in values:
-            rates[v].append(decode_rate(llms[v], a.tokens, 5))
+            rates[v].append(a.tokens / run_tg(llms[v], a.tokens, rng))   # the bench's tg test
     ram = model_facts(llms[values[0]])["ram_bytes_per_token"]
     bw = float(np.median(bws))
     print(f"streaming read (median of {a.rounds}): {bw:.1f} GB/s; "
