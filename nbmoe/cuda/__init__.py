@@ -26,7 +26,7 @@ simulator (NUMBA_ENABLE_CUDASIM=1, which the CPU-only CI uses):
                      a[i, j] costs ~10 64-bit instructions a load. The loads must be aligned
                      to their size (the simulator checks).
   ld_u32_a2(a, base, off)  a 32-bit word at a 2-byte aligned offset (two 16-bit loads)
-  st_f32(a, base, off, v)  stores float32 v there (the same addressing as the loaders)
+  st_f32 / st_i32(a, base, off, v)  store float32 / int32 v there (the same addressing as the loaders)
 Warp primitives need all 32 lanes of the warp to call them (as on hardware, full mask).
 In the simulator, device_fn functions stay plain Python, and the simulator's shared-array
 allocation is patched to take a lock (unlocked, simulated threads can each get their own copy).
@@ -181,6 +181,9 @@ if SIM:
     def st_f32(a, base, off, v):
         _bytes_at(a, base, off, 4).view(np.float32)[0] = v
 
+    def st_i32(a, base, off, v):
+        _bytes_at(a, base, off, 4).view(np.int32)[0] = v
+
     def expf(x):
         with np.errstate(over="ignore", invalid="ignore"):
             return np.exp(np.float32(x))
@@ -266,23 +269,31 @@ else:
 
     ld_u8, ld_u16, ld_u32, ld_i32, ld_f16, ld_f32 = (_loader(k) for k in ("u8", "u16", "u32", "i32", "f16", "f32"))
 
-    @intrinsic
-    def _st_f32(typingctx, a, base, off, v):
-        if not (isinstance(a, types.Array) and base == types.int64 and off == types.uint32
-                and v == types.float32):
-            return None
+    def _storer(nb_type, ll_type):
+        @intrinsic
+        def st(typingctx, a, base, off, v):
+            if not (isinstance(a, types.Array) and base == types.int64 and off == types.uint32
+                    and v == nb_type):
+                return None
 
-        def codegen(context, builder, sig, args):
-            arr = context.make_array(sig.args[0])(context, builder, args[0])
-            data = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-            p = builder.gep(data, [builder.add(args[1], builder.zext(args[2], ir.IntType(64)))])
-            builder.store(args[3], builder.bitcast(p, ir.FloatType().as_pointer()), align=4)
-            return context.get_dummy_value()
-        return types.none(a, base, off, v), codegen
+            def codegen(context, builder, sig, args):
+                arr = context.make_array(sig.args[0])(context, builder, args[0])
+                data = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+                p = builder.gep(data, [builder.add(args[1], builder.zext(args[2], ir.IntType(64)))])
+                builder.store(args[3], builder.bitcast(p, ll_type.as_pointer()), align=4)
+                return context.get_dummy_value()
+            return types.none(a, base, off, v), codegen
+        return st
+
+    _st_f32, _st_i32 = _storer(types.float32, ir.FloatType()), _storer(types.int32, ir.IntType(32))
 
     @cuda.jit(device=True, forceinline=True)
     def st_f32(a, base, off, v):
         _st_f32(a, np.int64(base), np.uint32(off), np.float32(v))
+
+    @cuda.jit(device=True, forceinline=True)
+    def st_i32(a, base, off, v):
+        _st_i32(a, np.int64(base), np.uint32(off), np.int32(v))
 
     @cuda.jit(device=True, forceinline=True)
     def shfl_xor(v, m):

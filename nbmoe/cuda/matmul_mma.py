@@ -20,7 +20,7 @@ the float scaling follows per block, so an int32 never sums more than 32 product
 import numpy as np
 from numba import cuda
 
-from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32
+from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
 from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, tile_slots, unit_words
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
@@ -99,7 +99,14 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
     S = KW + 4
     NS = 2 * KB if per16 else KB
     ACC = 4 * MI * NJ
-    UNITS = TM * KB * 4                    # units decoded per K step
+    UQ = 4 * KB                            # units of a row in a K step
+    RSTEP = NTH // UQ                      # rows apart of a thread's units
+    NU = TM // RSTEP                       # units a thread decodes a K step
+    JSTEP = NTH // KW                      # slots apart of a thread's x words
+    NX = TT // JSTEP                       # x words a thread loads a K step
+    SSTEP = NTH // KB                      # slots apart of a thread's x scales
+    NSX = (TT + SSTEP - 1) // SSTEP
+    assert NTH % UQ == 0 and TM % RSTEP == 0 and NTH % KW == 0 and TT % JSTEP == 0
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
@@ -140,43 +147,54 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
             nb = K >> 5
             KQ = K >> 2                              # bytes of an x row in xds (2 floats a block)
             cuda.syncthreads()
+            # step 1's share of each thread, the same every K step: unit uu of block kbu of
+            # rows rr0 + RSTEP i (i < NU), x word xw of slots xj0 + JSTEP i (i < NX), and the
+            # x scales of slots xsj0 + SSTEP i, block xsk
+            kbu = (tid % UQ) >> 2
+            uu = tid & 3
+            rr0 = tid // UQ
+            w0, w1 = unit_words(kbu, uu, split)
+            wa0 = 4 * (rr0 * S + w0)                 # wc byte offsets of the thread's first row
+            wa1 = 4 * (rr0 * S + w1)
+            dsa = 4 * ((2 * kbu + (uu >> 1) if per16 else kbu) * TM + rr0)    # wd, wm
+            msa = 4 * (kbu * TM + rr0)
+            store_d = (uu & 1) == 0 if per16 else uu == 0
+            xw = tid % KW
+            xj0 = tid // KW
+            xsj0 = tid // KB
+            xsk = tid % KB
             for kb0 in range(0, nb, KB):
                 nkb = min(KB, nb - kb0)
                 # 1. weight units -> codes and scales; x words and scales
-                for n in range(tid, UNITS, NTH):
-                    rr = n // (4 * KB)
-                    q = n - rr * (4 * KB)
-                    kb = q >> 2
-                    u = q & 3
-                    if kb < nkb:
+                if kbu < nkb:
+                    for i in range(NU):
+                        rr = rr0 + RSTEP * i
                         base = (rbase + min(r0 + rr, M - 1)) * RB
-                        c0, c1, d, m4 = idec(w, base, kb0 + kb, u)
+                        c0, c1, d, m4 = idec(w, base, kb0 + kbu, uu)
                         if signed:
                             c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
                             c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
-                        w0, w1 = unit_words(kb, u, split)
-                        wc[rr, w0] = c0
-                        wc[rr, w1] = c1
-                        if per16:
-                            if (u & 1) == 0:
-                                wd[2 * kb + (u >> 1), rr] = d
-                        elif u == 0:
-                            wd[kb, rr] = d
-                            if has_m:
-                                wm[kb, rr] = f32(4.0) * m4     # idec gives m / 4 a unit
-                for n in range(tid, TT * KW, NTH):
-                    j = n // KW
-                    c = n - j * KW
-                    xr = xrow[j]
-                    ok = xr >= 0 and (c >> 3) < nkb
-                    xc[j, c] = ld_i32(xq, xr * K, 4 * (8 * kb0 + c)) if ok else i32(0)
-                for n in range(tid, TT * KB, NTH):
-                    j = n // KB
-                    kb = n - j * KB
-                    xr = xrow[j]
-                    ok = xr >= 0 and kb < nkb
-                    xd[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb)) if ok else f32(0.0)
-                    xsum[kb, j] = ld_f32(xds, xr * KQ, 8 * (kb0 + kb) + 4) if ok else f32(0.0)
+                        st_i32(wc, 0, wa0 + 4 * RSTEP * S * i, c0)
+                        st_i32(wc, 0, wa1 + 4 * RSTEP * S * i, c1)
+                        if store_d:
+                            st_f32(wd, 0, dsa + 4 * RSTEP * i, d)
+                            if has_m and not per16:
+                                st_f32(wm, 0, msa + 4 * RSTEP * i, f32(4.0) * m4)   # idec: m / 4
+                xok = (xw >> 3) < nkb
+                for i in range(NX):
+                    j = xj0 + JSTEP * i
+                    xr = ld_i32(xrow, 0, 4 * j)
+                    v = i32(0)
+                    if xr >= 0 and xok:
+                        v = ld_i32(xq, xr * K, 4 * (8 * kb0 + xw))
+                    st_i32(xc, 0, 4 * (j * S + xw), v)
+                for i in range(NSX):
+                    xsj = xsj0 + SSTEP * i
+                    if xsj < TT:
+                        xr = ld_i32(xrow, 0, 4 * xsj)
+                        ok = xr >= 0 and xsk < nkb
+                        xd[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk)) if ok else f32(0.0)
+                        xsum[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk) + 4) if ok else f32(0.0)
                 cuda.syncthreads()
                 # 2. the warp's mma tiles, block by block (ld_* at a per-lane 64-bit base and
                 # constant offsets: plain indexing cost ~8 64-bit integer ops a shared load)
