@@ -13,6 +13,7 @@ import numpy as np
 from .arch import config_from_meta
 from .backend import CPUBackend
 from .cpu import matmul as cpu_matmul
+from .cpu.blas import set_blas_threads
 from .errors import NbmoeError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache
@@ -55,6 +56,7 @@ class LLM:
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = threads or default_threads()
+        set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
         self.gpu_slots = self._zero_copy_layers(
             round(ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)

@@ -39,3 +39,22 @@ def test_prompt_longer_than_context(llm):
     llm.reset()
     with pytest.raises(nbmoe.NbmoeError, match="exceed the context"):
         llm.eval(list(range(100)))
+
+
+def test_load_keeps_numpys_blas_to_one_thread(llm):
+    """numpy's OpenBLAS threads spin after each product on the cores Numba's threads need
+    (cpu/blas.py): a loaded model leaves BLAS at one thread, and the float products that
+    still call it (here an F32 matrix at a prompt's batch) agree with float64."""
+    from nbmoe.cpu.blas import blas_threads
+    from nbmoe.cpu.matmul import mul_mat
+    from gguf import GGMLQuantizationType
+    if blas_threads() is None:
+        pytest.skip("no OpenBLAS loaded")
+    assert blas_threads() == 1
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((24, 64), dtype=np.float32)
+    x = rng.standard_normal((40, 64), dtype=np.float32)
+    out = np.empty((40, 24), np.float32)
+    mul_mat(out, w.view(np.uint8), x, int(GGMLQuantizationType.F32))
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5

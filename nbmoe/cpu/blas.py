@@ -1,0 +1,60 @@
+"""Keep numpy's BLAS to one thread: nbmoe's parallel work runs in Numba's threads.
+
+The float products of prompts (F32 / F16 / BF16 weights such as every MoE router, and all
+types on CPUs without VNNI) go through numpy's matmul, whose OpenBLAS starts a pool of its
+own threads. After each product those threads spin for a while waiting for more work, and
+on the cores Numba's threads need: measured on the 2-core VM, the default model's pp512 went
+from 280 to 971 t/s with OpenBLAS at one thread (its F32 routers' BLAS calls slowed every
+kernel after them, norms and top-k 15-45x), and SmolLM2 pp512 on the BLAS path
+(NBMOE_GEMM_I8=0) from 229 to 627. So the engine sets BLAS to one thread when it loads.
+
+There is no numpy API for it: this finds the BLAS library numpy loaded (Linux: the shared
+objects in /proc/self/maps) and calls its set-threads function through ctypes, under the
+names OpenBLAS builds export (numpy's wheels prefix them with scipy_) or MKL's. Where none
+is found it does nothing.
+"""
+import ctypes
+
+SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+           "openblas_set_num_threads64_", "openblas_set_num_threads", "MKL_Set_Num_Threads")
+
+
+def _loaded_blas_libraries():
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if "blas" in p.lower() or "mkl_rt" in p.lower())
+
+
+def set_blas_threads(n):
+    """Sets every loaded BLAS library's thread count to n; returns how many it set."""
+    import numpy  # noqa: F401  (loads numpy's BLAS, if not yet)
+    done = 0
+    for path in _loaded_blas_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in SETTERS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                fn(int(n))
+                done += 1
+                break
+    return done
+
+
+def blas_threads():
+    """The first loaded OpenBLAS library's thread count (None where there is none): tests."""
+    for path in _loaded_blas_libraries():
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                     "openblas_get_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return fn()
+    return None
