@@ -17,13 +17,23 @@ WORK=${WORK:-$HOME/.cache/nbmoe/llamacpp}
 SRC=$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp
 BENCH=$SRC/build/bin/llama-bench
 
+build() {     # extra cmake arguments
+    cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF "$@" > "$WORK/cmake.log"
+    cmake --build "$SRC/build" --target llama-bench -j "$(nproc)" > "$WORK/build.log"
+}
 if [ ! -x "$BENCH" ]; then
     mkdir -p "$WORK"
     pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
     tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
-    cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF > "$WORK/cmake.log"
-    cmake --build "$SRC/build" --target llama-bench -j "$(nproc)" > "$WORK/build.log"
+    build
+fi
+# Some VMs list AMX among the CPU's features but fault on its tile instructions (the 2-core VM
+# of session 11: SIGILL in ggml's AMX kernels): then build again without AMX.
+if ! "$BENCH" -m "$1" -p 16 -n 2 -r 1 -t "$T" > /dev/null 2>&1; then
+    echo "llama-bench failed a probe run: building it again without AMX" >&2
+    NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    build -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX"
 fi
 
 for m in "$@"; do
