@@ -58,6 +58,7 @@ def small(monkeypatch):
     monkeypatch.setattr(matmul, "TILE_T_ID", 4)
     monkeypatch.setattr(matmul, "TILE_RM", 2)
     monkeypatch.setattr(matmul, "TILE_RT", 2)
+    monkeypatch.setattr(matmul, "TILED_MIN_M", 1)
     monkeypatch.setattr(matmul, "ROWS_THREADS", 32)
     monkeypatch.setattr(ops, "THREADS", 64)
     monkeypatch.setattr(ops, "NORM_THREADS", 64)
@@ -252,6 +253,19 @@ def test_mul_mat_float_odd_K(name, small, monkeypatch):
         out = poisoned((T, M))
         matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
         check(f"mul_mat odd K {name}", out.copy_to_host(), x @ wref.T)
+
+
+@pytest.mark.parametrize("name", ["F32", "BF16"])
+def test_mul_mat_small_float_prompt(name, small, monkeypatch):
+    """A float matrix of few rows (a router) at a prompt's T: matrix-vector over token chunks."""
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    monkeypatch.setattr(matmul, "TILED_MIN_M", 16)
+    M, K, T = 9, 64, 11
+    w, wref = quantize(rnd(M, K, seed=16), name)
+    x = rnd(T, K, seed=17)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check(f"mul_mat small float prompt {name}", out.copy_to_host(), x @ wref.T)
 
 
 # ---------------------------------------------------------------- mul_mat_id

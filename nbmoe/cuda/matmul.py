@@ -62,6 +62,11 @@ SPLIT_K_MIN_K, SPLIT_K_MAX, SPLIT_K_ROWS = 1024, 4, 8192
 # keeps the small tiles (the same code; its cost grows with the work per thread).
 TILE_M, TILE_T, TILE_RM, TILE_RT = (64, 64, 4, 4) if SIM else (128, 128, 8, 8)
 TILE_T_ID = 32 if SIM else 64
+# Float matrices of fewer rows than this take the matrix-vector kernel over chunks of
+# MMV_MAX_T tokens for prompts too: a tiled grid of their few row tiles leaves the GPU idle
+# (the F32 router of Qwen3-30B-A3B, 128 x 2048 at T = 512: 4 blocks, ~1 ms a layer, 37% of a
+# pp512's device time under ncu; its weights stay in L2 across the chunks).
+TILED_MIN_M = 1024
 # Experts the grouping kernel handles (shared-memory counters).
 MAX_E = 1024
 # Threads of the get_rows / dequantize kernels (one unit each).
@@ -660,13 +665,13 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
     if T > MMV_MAX_T and MMA and _int8(qtype, K):
         _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
         return
-    if T > MMV_MAX_T and K % 32 == 0:
+    if T > MMV_MAX_T and K % 32 == 0 and M >= TILED_MIN_M:
         kern, nth = _tiled_kernel(qtype, TILE_M, TILE_T, TILE_RM, TILE_RT, False)
         d = _buffer("dummy", 4, np.int32)
         kern[((M + TILE_M - 1) // TILE_M, (T + TILE_T - 1) // TILE_T), nth, stream](
             out, w, x, RB, K, T, M, d, d, 1, 1)
         return
-    nt = min(T, MMV_MAX_T)      # float rows of odd length at T > MMV_MAX_T: chunks of tokens
+    nt = min(T, MMV_MAX_T)      # small or odd float matrices at T > MMV_MAX_T: chunks of tokens
     S = _split_k(M, K)
     rpb = MMV_WARPS // S        # rows a block
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
