@@ -412,7 +412,24 @@ class CUDABackend(Backend):
         out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
         mm = self.mm
         ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
-        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready)
+        grouped = self._grouped(node, buf, ids, w.shape[0], mm.id_tile(qtype, x.shape[2], x.shape[0]))
+        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped)
+
+    # A prompt's expert products group their (token, expert) pairs by expert first (a kernel
+    # launch, matmul._group_by_expert); a MoE layer's gate, up and down products share their
+    # ids, and steps run in the order they are bound, so a product whose ids, experts and tile
+    # are those of the grouping bound last on this GPU reuses its table. Anything else that
+    # groups (an offloaded product) is bound in between and resets the record.
+    _grouping = None
+
+    def _grouped(self, node, buf, ids, E, tile):
+        if not tile:
+            return False                       # matrix-vector: no grouping, the table stays
+        whole = tuple(ids.shape) == tuple(buf[node.srcs[1]].shape)
+        key = (id(buf), node.srcs[1], E, tile) if whole else None
+        same = key is not None and key == self._grouping
+        self._grouping = key
+        return same
 
     # -- fused groups (fusion.py): a list of steps, one per member (None: nothing to run) ------
     def _x8(self, node, buf, qtype, x):
@@ -558,6 +575,7 @@ class CUDABackend(Backend):
     def bind_mul_mat_id(self, node, buf, state):
         if node.weight in self.resident or node.cause == "zc":
             return self._resident_mul_mat_id(node, buf)
+        self._grouping = None                  # its mul_mat_id groups the pairs itself
         t = self.tensors[node.weight]
         host = self.host_copy(node.weight)                         # [E, M, row_bytes]
         qtype, mm, cuda = int(t.ggml_type), self.mm, self.cuda

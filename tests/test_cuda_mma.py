@@ -138,3 +138,33 @@ def test_x_ready_mma(tiles):
     matmul.mul_mat(poisoned((T, M)), dev(w1), x, int(Q["Q4_0"]))
     matmul.mul_mat(got, dev(w2), x, int(Q["Q8_0"]), x_ready=True)
     assert np.array_equal(got.copy_to_host(), want.copy_to_host())
+
+
+def test_grouped_reuses_the_last_grouping(tiles):
+    """A MoE layer's gate, up and down share their ids: the second product reuses the first's
+    grouping table (grouped=True, no grouping launch) and still equals the reference; the
+    backend passes grouped only when the grouping bound last was of the same ids node."""
+    from types import SimpleNamespace
+
+    from nbmoe.backend_cuda import CUDABackend
+    E, M, A, T, K = 4, 20, 2, 11, 64
+    ids = np.random.default_rng(5).integers(0, E, (T, A)).astype(np.int32)
+    x = rnd(T, 1, K, seed=6)
+    for i, name in enumerate(("Q4_0", "Q8_0")):
+        w, wref = _weights((E, M), name, seed=7 + i, K=K)
+        out = poisoned((T, A, M))
+        matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]), grouped=i > 0)
+        check_x8(f"mma mul_mat_id {name} grouped={i > 0}", out.copy_to_host(), x,
+                 lambda x_: _mul_mat_id_ref(wref, x_, ids), True)
+    be = object.__new__(CUDABackend)
+    buf = {"ids0": ids, "ids1": ids}
+    gate, up = SimpleNamespace(srcs=("h", "ids0")), SimpleNamespace(srcs=("h", "ids0"))
+    other = SimpleNamespace(srcs=("h", "ids1"))
+    tile = matmul.id_tile(int(Q["Q4_0"]), K, T)
+    assert tile and not be._grouped(gate, buf, ids, E, tile)
+    assert be._grouped(up, buf, ids, E, tile)
+    assert not be._grouped(other, buf, ids, E, tile)          # another layer's ids
+    assert not be._grouped(up, buf, ids[:, :1], E, tile)      # a share of the slots regroups
+    assert not be._grouped(up, buf, ids, E, tile)
+    assert not be._grouped(up, buf, ids, E, 0)                # matrix-vector: keeps the table
+    assert be._grouped(up, buf, ids, E, tile)

@@ -631,17 +631,28 @@ def _int8(qtype, K):
     return INT8_DOT and qtype_info(qtype).idec is not None and K % 32 == 0
 
 
-def _group_by_expert(ids, E, TT, stream):
+def _group_by_expert(ids, E, TT, stream, grouped=False):
     """(order, tiles, max_tiles): the pairs of ids [T, A] grouped by expert in tiles of <= TT
-    (group_by_expert_kernel); max_tiles bounds the table's length (the grid's y size)."""
+    (group_by_expert_kernel); max_tiles bounds the table's length (the grid's y size).
+    grouped: the last grouping on this GPU was of these ids, E and TT (the gate, up and down
+    products of a MoE layer share their ids): its table is reused, no launch."""
     if E > MAX_E:
         raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
     N = ids.shape[0] * ids.shape[1]
     max_tiles = N // TT + min(E, N)       # every used expert adds at most one partial tile
     order = _buffer("order", N, np.int32)
     tiles = _buffer("tiles", 1 + 3 * max_tiles, np.int32)
-    _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+    if not grouped:
+        _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
     return order, tiles, max_tiles
+
+
+def id_tile(qtype, K, T):
+    """The tile of token slots a T-token mul_mat_id groups its pairs in (0: no grouping, the
+    matrix-vector path): a caller that knows two products share their ids passes grouped."""
+    if T <= MMV_MAX_T or K % 32 != 0:
+        return 0
+    return _mma.TT_ID if MMA and _int8(qtype, K) else TILE_T_ID
 
 
 def _rb_k(w, qtype):
@@ -683,9 +694,9 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
         _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
 
-def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):
+def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
     """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
-    x [T, X, K], ids int32 [T, A] on the device."""
+    x [T, X, K], ids int32 [T, A] on the device. grouped: see _group_by_expert."""
     RB, K = _rb_k(w, qtype)
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
@@ -703,10 +714,10 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False):
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
     if MMA and _int8(qtype, K):
-        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready)
+        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped)
         return
     TT = TILE_T_ID
-    order, tiles, max_tiles = _group_by_expert(ids, E, TT, stream)
+    order, tiles, max_tiles = _group_by_expert(ids, E, TT, stream, grouped)
     kern, nth = _tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
     kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X)
 
