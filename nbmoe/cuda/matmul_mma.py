@@ -68,7 +68,10 @@ def i2f(c):
 # t * X + (a or 0), out row p of out [T, A, M] seen as [T * A, M]).
 #
 # Block: NTH = 32 * WM * WT threads. Per K step of KB blocks (kb0 = step * KB):
-#  1. all threads fill shared memory, a unit (8 codes = 2 words) or an x word each
+#  1. all threads fill shared memory: thread tid decodes unit tid % 4 of block (tid % 4 KB) / 4
+#     (8 codes = 2 words) of rows tid / (4 KB) + RSTEP i, and loads x word tid % 8 KB of slots
+#     tid / (8 KB) + JSTEP i: the same share every K step, addressed by byte offsets fixed
+#     before the loop (recomputing it per element cost ~half the kernel's instructions)
 #                    k-step words 0 .. 8 KB - 1 (+ 4 pad)           scales
 #       wc [TM, S]   row i: codes of w row r0 + i, in k order       wd [KB or 2 KB, TM]  d
 #                    (block kb = words 8 kb .. 8 kb + 7)            wm [KB, TM]          m
