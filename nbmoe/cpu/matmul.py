@@ -416,7 +416,9 @@ def mul_mat_id(out, w, x, ids, qtype):
     T, X, K = x.shape
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
-    _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)  # few tokens
+    counts = np.diff(start)
+    if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
+        _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)
     if batched_int8(qtype):
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)
         return
