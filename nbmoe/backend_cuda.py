@@ -197,6 +197,7 @@ class CUDABackend(Backend):
 
     def prepare(self, graph):
         self.activate()
+        self._grouping = None      # a new plan: no grouping of its own bound yet (_grouped)
         super().prepare(graph)
 
     # -- memory ---------------------------------------------------------------------------
