@@ -27,7 +27,7 @@ from numba import cuda  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from ref_quant import F16_SCALES  # noqa: E402
+from ref_quant import random_blocks  # noqa: E402
 
 from nbmoe.cuda import matmul as mm  # noqa: E402
 from nbmoe.cuda import matmul_mma  # noqa: E402
@@ -39,14 +39,7 @@ TOL_GRID = 1e-4     # vs the float path, x on the 8-bit grid
 
 def random_rows(rng, rows, K, name):
     """uint8 [rows, row_bytes] of random blocks: random codes, f16 scales in 0.002..0.02."""
-    block, size = GGML_QUANT_SIZES[Q[name]]
-    n = rows * K // block
-    q = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    for o in F16_SCALES[name]:
-        q[:, o:o + 2] = rng.uniform(0.002, 0.02, n).astype(np.float16).reshape(-1, 1).view(np.uint8)
-    if name == "MXFP4":
-        q[:, 0] = rng.integers(120, 133, n)
-    return q.reshape(rows, -1)
+    return random_blocks(rng, rows * K // GGML_QUANT_SIZES[Q[name]][0], name).reshape(rows, -1)
 
 
 def on_grid(x):

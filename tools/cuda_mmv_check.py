@@ -27,6 +27,7 @@ from numba import cuda  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from ref_quant import random_blocks  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from nbmoe.cuda import device_fn, dp4a, fused, ld_f32, ld_i32, matmul, mmv_q8, warp_sum  # noqa: E402
@@ -135,10 +136,7 @@ def old_kernels(qt, S):
 
 def random_rows(rng, rows, K, name):
     """uint8 [rows, row_bytes] of random blocks: random codes, f16 scales d in 0.002..0.02."""
-    block, size = GGML_QUANT_SIZES[Q[name]]
-    q = rng.integers(0, 256, (rows * K // block, size), dtype=np.uint8)
-    q[:, 0:2] = rng.uniform(0.002, 0.02, len(q)).astype(np.float16).reshape(-1, 1).view(np.uint8)
-    return q.reshape(rows, -1)
+    return random_blocks(rng, rows * K // GGML_QUANT_SIZES[Q[name]][0], name).reshape(rows, -1)
 
 
 def on_grid(x):
