@@ -4,7 +4,7 @@ The float products of prompts (F32 / F16 / BF16 weights such as every MoE router
 types on CPUs without VNNI) go through numpy's matmul, whose OpenBLAS starts a pool of its
 own threads. After each product those threads spin for a while waiting for more work, and
 on the cores Numba's threads need: measured on the 2-core VM, the default model's pp512 went
-from 280 to 971 t/s with OpenBLAS at one thread (its F32 routers' BLAS calls slowed every
+from 280 to 896 t/s with OpenBLAS at one thread (its F32 routers' BLAS calls slowed every
 kernel after them, norms and top-k 15-45x), and SmolLM2 pp512 on the BLAS path
 (NBMOE_GEMM_I8=0) from 229 to 627. So the engine sets BLAS to one thread when it loads.
 
@@ -28,33 +28,35 @@ def _loaded_blas_libraries():
     return sorted(p for p in paths if "blas" in p.lower() or "mkl_rt" in p.lower())
 
 
-def set_blas_threads(n):
-    """Sets every loaded BLAS library's thread count to n; returns how many it set."""
-    import numpy  # noqa: F401  (loads numpy's BLAS, if not yet)
-    done = 0
+def _functions(names):
+    """Per loaded BLAS library, the first of `names` it exports (ctypes function)."""
+    found = []
     for path in _loaded_blas_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in SETTERS:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], None
-                fn(int(n))
-                done += 1
-                break
-    return done
+        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
+        if fn is not None:
+            found.append(fn)
+    return found
+
+
+def set_blas_threads(n):
+    """Sets every loaded BLAS library's thread count to n; returns how many it set."""
+    import numpy  # noqa: F401  (loads numpy's BLAS, if not yet)
+    setters = _functions(SETTERS)
+    for fn in setters:
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        fn(int(n))
+    return len(setters)
 
 
 def blas_threads():
     """The first loaded OpenBLAS library's thread count (None where there is none): tests."""
-    for path in _loaded_blas_libraries():
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
-                     "openblas_get_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                return fn()
-    return None
+    getters = _functions(("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                          "openblas_get_num_threads"))
+    if not getters:
+        return None
+    getters[0].restype = ctypes.c_int
+    return getters[0]()
