@@ -181,7 +181,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                         st_i32(wc, 0, wa1 + 4 * RSTEP * S * i, c1)
                         if store_d:
                             st_f32(wd, 0, dsa + 4 * RSTEP * i, d)
-                            if has_m and not per16:
+                            if has_m:                   # (never per16: asserted above)
                                 st_f32(wm, 0, msa + 4 * RSTEP * i, f32(4.0) * m4)   # idec: m / 4
                 xok = (xw >> 3) < nkb
                 for i in range(NX):
