@@ -346,19 +346,24 @@ def mul_mat_step(out, w, x, qtype):
 
 @njit(cache=True, error_model="numpy")
 def _group_by_expert(ids, E):
-    """order [T*A] of flat pair indices t*A + a sorted by expert; start [E + 1] offsets."""
+    """order [T*A] of flat pair indices t*A + a sorted by expert; start [E + 1] offsets.
+    Pairs whose id is not in 0..E-1 are left out (the CPU's share of an offloaded product
+    marks the GPU's pairs -1: expert_share.py); order's entries past start[E] are unused."""
     flat = ids.ravel()
     start = np.zeros(E + 1, np.int64)
     for p in range(flat.shape[0]):
-        start[flat[p] + 1] += 1
+        e = flat[p]
+        if 0 <= e < E:
+            start[e + 1] += 1
     for e in range(E):
         start[e + 1] += start[e]
     fill = start[:E].copy()
     order = np.empty(flat.shape[0], np.int64)
     for p in range(flat.shape[0]):
         e = flat[p]
-        order[fill[e]] = p
-        fill[e] += 1
+        if 0 <= e < E:
+            order[fill[e]] = p
+            fill[e] += 1
     return order, start
 
 
