@@ -68,20 +68,25 @@ def device_names():
 # goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
 # on a copy stream so that the next tensor's upload overlaps this one's product.
 PREFETCH_PAIRS_PER_EXPERT = 4
+# Device slots of a chain with split layers (expert_share.py): the compute stream waits for
+# the CPU's rows at the end of each such layer, so the uploads need room to run further ahead
+# than one tensor, or the link idles through every wait.
+SPLIT_SLOTS = 4
 
 
 class PrefetchChain:
-    """The offloaded expert tensors of one plan, in run order, uploaded whole through two
-    device slots: the copy stream fills slot i % 2 with tensor i while the compute stream
-    works on tensor i - 1 from the other slot. Events order the two streams: a product waits
-    for its upload; an upload waits until the product that last used its slot is done."""
+    """The offloaded expert tensors of one plan, in run order, uploaded whole through n
+    device slots (2; SPLIT_SLOTS with split layers): the copy stream fills slot i % n with
+    tensor i while the compute stream works on the tensors before it from the other slots.
+    Events order the two streams: a product waits for its upload; an upload waits until the
+    product that last used its slot is done."""
 
     def __init__(self, backend):
         cuda = backend.cuda
         self.backend, self.hosts, self.slot_bytes = backend, [], 0
         self.copy_stream = cuda.stream()
         self.uploaded = []                           # per tensor: its upload's event
-        self.freed = [cuda.event(), cuda.event()]    # per slot: its last product's event
+        self.freed = []                              # per slot: its last product's event
         self.slots = None
         # per tensor: its expert_share.Layer (None: not split), whether it is that layer's
         # first tensor here (its upload fixes the layer's k), the first expert uploaded
@@ -98,14 +103,17 @@ class PrefetchChain:
 
     def _upload(self, i):
         if self.slots is None:
-            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(2)]
+            n = SPLIT_SLOTS if any(self.layers) else 2
+            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(n)]
+            self.freed = [self.backend.cuda.event() for _ in range(n)]
             for ev in self.freed:
                 ev.record(self.backend.stream)
-        host, slot, layer = self.hosts[i], self.slots[i % 2], self.layers[i]
+        n = len(self.slots)
+        host, slot, layer = self.hosts[i], self.slots[i % n], self.layers[i]
         if layer is not None:         # experts below k stay in RAM: the CPU computes them
             self.firsts[i] = layer.begin(host.shape[0]) if self.starts[i] else layer.k
         part = host[self.firsts[i]:]
-        self.freed[i % 2].wait(self.copy_stream)
+        self.freed[i % n].wait(self.copy_stream)
         slot[:part.nbytes].copy_to_device(part.reshape(-1), stream=self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
         self.backend.prefetched_uploads += 1
@@ -113,20 +121,21 @@ class PrefetchChain:
     def wait(self, i):
         """(device copy of tensor i's experts first.., first), once the compute stream has
         waited for its upload."""
-        if i == 0:                                   # a new run of the plan: start both slots
+        if i == 0:                                   # a new run of the plan: fill every slot
             self._upload(0)
-            if len(self.hosts) > 1:
-                self._upload(1)
+            for j in range(1, min(len(self.slots), len(self.hosts))):
+                self._upload(j)
         self.uploaded[i].wait(self.backend.stream)
         lo = self.firsts[i]
         part = self.hosts[i][lo:]
-        return self.slots[i % 2][:part.nbytes].reshape(part.shape), lo
+        return self.slots[i % len(self.slots)][:part.nbytes].reshape(part.shape), lo
 
     def done(self, i):
-        """Tensor i's product is queued: its slot takes tensor i + 2 once that product ran."""
-        self.freed[i % 2].record(self.backend.stream)
-        if i + 2 < len(self.hosts):
-            self._upload(i + 2)
+        """Tensor i's product is queued: its slot takes tensor i + n once that product ran."""
+        n = len(self.slots)
+        self.freed[i % n].record(self.backend.stream)
+        if i + n < len(self.hosts):
+            self._upload(i + n)
 
 
 def _runs(sorted_ids):

@@ -22,6 +22,8 @@ NBMOE_CPU_SHARE: `auto` (default), a number (that many experts a layer on the CP
 or 0 (off: every expert uploaded).
 """
 import os
+import time
+from collections import Counter
 
 import numpy as np
 
@@ -78,6 +80,7 @@ class ExpertShare:
     def __init__(self):
         self.backend = None
         self.host = {}
+        self.seconds = Counter()       # host time by phase: fetch, wait, cpu, send
 
     def next_k(self, E):
         if MODE != "auto":
@@ -111,6 +114,7 @@ class ExpertShare:
     def fetch(self, backend, x, ids):
         """Queue x [T, K] and ids [T, A] (device arrays the compute stream is writing) down to
         the host on the side stream, after what the compute stream has queued so far."""
+        t0 = time.perf_counter()
         if self.backend is None:
             cuda = backend.cuda
             self.backend, self.side = backend, cuda.stream()
@@ -124,14 +128,17 @@ class ExpertShare:
         x.copy_to_host(self.x, stream=self.side)
         ids.copy_to_host(self.ids, stream=self.side)
         self.fetched.record(self.side)
+        self.seconds["fetch"] += time.perf_counter() - t0
 
     def compute(self, layer, weights, y):
         """After the GPU's down product of `layer` is queued: the CPU's pairs (experts below
         layer.k) from x and ids fetched, their down rows sent up into y [T, A, D] (device)."""
         from .cpu import matmul, moe
         be = self.backend
+        t0 = time.perf_counter()
         self.gpu_part.record(be.stream)
         self.fetched.synchronize()
+        t1 = time.perf_counter()
         (wg, qg), (wu, qu), (wd, qd) = weights
         k, E = layer.k, wg.shape[0]
         T, A = self.ids.shape
@@ -155,6 +162,7 @@ class ExpertShare:
             matmul.mul_mat_id(out.reshape(P, 1, D), wd[:k], h.reshape(P, 1, F),
                               ids.reshape(-1)[pairs].reshape(P, 1), qd)
         gpu_done = getattr(self.gpu_part, "query", lambda: True)()   # (the simulator has none)
+        t2 = time.perf_counter()
         if P:
             rows_d, out_d = self._device("rows", (P,), np.int32), self._device("y", (P, D), np.float32)
             rows_d.copy_to_device(rows, stream=self.side)
@@ -164,3 +172,5 @@ class ExpertShare:
             be.moe.set_rows(y.reshape(T * A, D), rows_d, out_d)
             be.cpu_share_pairs += P
         self._adapt(E, k, gpu_done)
+        t3 = time.perf_counter()
+        self.seconds.update(wait=t1 - t0, cpu=t2 - t1, send=t3 - t2)

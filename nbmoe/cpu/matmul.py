@@ -80,6 +80,11 @@ GEMM_I8 = HAS_VNNI and os.environ.get("NBMOE_GEMM_I8", "1") == "1"
 # Tokens sharing a weight matrix from which gemm_i8 beats T integer matrix-vector passes
 # (measured on 1 thread: even at 4, 1.2-2x faster at 6, 1.5-2.5x at 8; Q4_1, Q4_K, Q6_K, Q8_0).
 GEMM_MIN_T = 6
+# ... but the matrix-vector pass prepares every row of x, serially (~3 us a 2048-value row):
+# past this many rows gemm_i8 also takes the experts of fewer pairs, padded to its 8-slot
+# groups (2 threads, Q4_0 2048 -> 768, 128 experts: 64 rows with 90 such experts 11.1 ms by
+# matrix-vector against 11.8; 512 rows with one 36.4 against 34.6).
+VEC_FEW_MAX_ROWS = 128
 
 
 def is_supported(qtype):
@@ -422,6 +427,8 @@ def mul_mat_id(out, w, x, ids, qtype):
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
     counts = np.diff(start)
+    if batched_int8(qtype) and T * X > VEC_FEW_MAX_ROWS:
+        many = 1                                   # gemm_i8 takes the experts of few tokens too
     if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
         _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)
     if batched_int8(qtype):
