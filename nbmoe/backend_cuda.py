@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from . import expert_share, fusion
+from . import fusion
 from .backend import Backend, _act, _labelled, _rows2d, chosen_slots
 from .errors import NbmoeError
 
@@ -68,74 +68,54 @@ def device_names():
 # goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
 # on a copy stream so that the next tensor's upload overlaps this one's product.
 PREFETCH_PAIRS_PER_EXPERT = 4
-# Device slots of a chain with split layers (expert_share.py): the compute stream waits for
-# the CPU's rows at the end of each such layer, so the uploads need room to run further ahead
-# than one tensor, or the link idles through every wait.
-SPLIT_SLOTS = 4
 
 
 class PrefetchChain:
-    """The offloaded expert tensors of one plan, in run order, uploaded whole through n
-    device slots (2; SPLIT_SLOTS with split layers): the copy stream fills slot i % n with
-    tensor i while the compute stream works on the tensors before it from the other slots.
-    Events order the two streams: a product waits for its upload; an upload waits until the
-    product that last used its slot is done."""
+    """The offloaded expert tensors of one plan, in run order, uploaded whole through two
+    device slots: the copy stream fills slot i % 2 with tensor i while the compute stream
+    works on tensor i - 1 from the other slot. Events order the two streams: a product waits
+    for its upload; an upload waits until the product that last used its slot is done."""
 
     def __init__(self, backend):
         cuda = backend.cuda
         self.backend, self.hosts, self.slot_bytes = backend, [], 0
         self.copy_stream = cuda.stream()
         self.uploaded = []                           # per tensor: its upload's event
-        self.freed = []                              # per slot: its last product's event
+        self.freed = [cuda.event(), cuda.event()]    # per slot: its last product's event
         self.slots = None
-        # per tensor: its expert_share.Layer (None: not split), whether it is that layer's
-        # first tensor here (its upload fixes the layer's k), the first expert uploaded
-        self.layers, self.starts, self.firsts = [], [], []
 
-    def add(self, host, layer=None):
+    def add(self, host):
         self.hosts.append(host)
-        self.starts.append(layer is not None and all(m is not layer for m in self.layers))
-        self.layers.append(layer)
-        self.firsts.append(0)
         self.uploaded.append(self.backend.cuda.event())
         self.slot_bytes = max(self.slot_bytes, host.nbytes)
         return len(self.hosts) - 1
 
     def _upload(self, i):
         if self.slots is None:
-            n = SPLIT_SLOTS if any(self.layers) else 2
-            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(n)]
-            self.freed = [self.backend.cuda.event() for _ in range(n)]
+            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(2)]
             for ev in self.freed:
                 ev.record(self.backend.stream)
-        n = len(self.slots)
-        host, slot, layer = self.hosts[i], self.slots[i % n], self.layers[i]
-        if layer is not None:         # experts below k stay in RAM: the CPU computes them
-            self.firsts[i] = layer.begin(host.shape[0]) if self.starts[i] else layer.k
-        part = host[self.firsts[i]:]
-        self.freed[i % n].wait(self.copy_stream)
-        slot[:part.nbytes].copy_to_device(part.reshape(-1), stream=self.copy_stream)
+        host, slot = self.hosts[i], self.slots[i % 2]
+        self.freed[i % 2].wait(self.copy_stream)
+        slot[:host.nbytes].copy_to_device(host.reshape(-1), stream=self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
         self.backend.prefetched_uploads += 1
 
     def wait(self, i):
-        """(device copy of tensor i's experts first.., first), once the compute stream has
-        waited for its upload."""
-        if i == 0:                                   # a new run of the plan: fill every slot
+        """The device copy of tensor i, once the compute stream has waited for its upload."""
+        if i == 0:                                   # a new run of the plan: start both slots
             self._upload(0)
-            for j in range(1, min(len(self.slots), len(self.hosts))):
-                self._upload(j)
+            if len(self.hosts) > 1:
+                self._upload(1)
         self.uploaded[i].wait(self.backend.stream)
-        lo = self.firsts[i]
-        part = self.hosts[i][lo:]
-        return self.slots[i % len(self.slots)][:part.nbytes].reshape(part.shape), lo
+        host = self.hosts[i]
+        return self.slots[i % 2][:host.nbytes].reshape(host.shape)
 
     def done(self, i):
-        """Tensor i's product is queued: its slot takes tensor i + n once that product ran."""
-        n = len(self.slots)
-        self.freed[i % n].record(self.backend.stream)
-        if i + n < len(self.hosts):
-            self._upload(i + n)
+        """Tensor i's product is queued: its slot takes tensor i + 2 once that product ran."""
+        self.freed[i % 2].record(self.backend.stream)
+        if i + 2 < len(self.hosts):
+            self._upload(i + 2)
 
 
 def _runs(sorted_ids):
@@ -193,7 +173,6 @@ class CUDABackend(Backend):
         self.pinned = {}
         self.scratch = {}
         self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (PrefetchChain)
-        self.cpu_share_pairs = 0        # (token, expert) pairs of those the CPU computed
         self.pin = os.environ.get("NBMOE_NO_PIN", "") != "1"
         for n in resident:
             t = tensors[n]
@@ -219,22 +198,7 @@ class CUDABackend(Backend):
     def prepare(self, graph):
         self.activate()
         self._grouping = None      # a new plan: no grouping of its own bound yet (_grouped)
-        self._split = expert_share.find_layers(graph.nodes, graph.buffers, self.name,
-                                               lambda n: self._splits(n, graph.buffers))
         super().prepare(graph)
-
-    def _splits(self, node, buffers):
-        """Whether an expert product may leave experts to the CPU (expert_share.py): offloaded
-        here from RAM, uploading its whole tensor ahead of time (PrefetchChain), on the grouped
-        prompt path. buffers: shapes by name (the graph's descriptions)."""
-        if (node.backend != self.name or node.op != "MUL_MAT_ID" or node.cause != "off"
-                or node.weight in self.resident):
-            return False
-        t = self.tensors[node.weight]
-        T, A = buffers[node.srcs[1]].shape
-        K = buffers[node.srcs[0]].shape[-1]
-        return (T * A >= PREFETCH_PAIRS_PER_EXPERT * t.data.shape[0]
-                and self.mm.id_tile(int(t.ggml_type), K, T) > 0)
 
     # -- memory ---------------------------------------------------------------------------
     def alloc(self, shape, dtype):
@@ -458,7 +422,6 @@ class CUDABackend(Backend):
     # are those of the grouping bound last on this GPU reuses its table. Anything else that
     # groups (an offloaded product) is bound in between and resets the record.
     _grouping = None
-    _split = {}              # id(node) -> (role, expert_share.Layer), set by prepare
 
     def _grouped(self, node, buf, ids, E, tile):
         if not tile:
@@ -621,32 +584,15 @@ class CUDABackend(Backend):
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])
         if ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]:
-            # every expert is (almost surely) chosen: upload them all, ahead of time, but
-            # those the CPU computes (a split layer: expert_share.py)
+            # every expert is (almost surely) chosen: upload them all, ahead of time
             chain = getattr(buf, "prefetch_chain", None)      # one chain per plan
             if chain is None:
                 chain = buf.prefetch_chain = PrefetchChain(self)
-            role, layer = self._split.get(id(node), (None, None))
-            i = chain.add(host, layer)
-            if role == "down":
-                share = layer.share
-                weights = [(self.host_copy(n.weight), int(self.tensors[n.weight].ggml_type))
-                           for n in (layer.gate, layer.up, layer.down)]
-
-                def run_down():
-                    w, lo = chain.wait(i)
-                    mm.mul_mat_id(out, w, x, ids, qtype, first=lo)
-                    chain.done(i)
-                    share.compute(layer, weights, out)      # the CPU's pairs, meanwhile
-                return _labelled(run_down, "MUL_MAT_ID+CPU")
-            fetch = layer is not None and node is layer.first
-            x_in = buf[node.srcs[0]]
+            i = chain.add(host)
 
             def run_prefetched():
-                if fetch:                   # x and ids to the host, as soon as they are made
-                    layer.share.fetch(self, x_in, ids)
-                w, lo = chain.wait(i)
-                mm.mul_mat_id(out, w, x, ids, qtype, first=lo)
+                w = chain.wait(i)
+                mm.mul_mat_id(out, w, x, ids, qtype)
                 chain.done(i)
             return run_prefetched
         w_all = self.scratch_buffer("mul_mat_id", host.shape)

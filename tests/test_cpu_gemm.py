@@ -71,10 +71,12 @@ def test_token_runs(monkeypatch):
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0_R16", "Q4_K_R16"])
 @pytest.mark.parametrize("shared_x", [True, False])
-def test_mul_mat_id(name, shared_x):
-    """T = 40, A = 3 of E = 6: expert 0 takes every token, 1, 2, 4 ~25 each (gemm_i8), 3 takes
-    3 tokens (matrix-vector), 5 none."""
-    E, A, M, T = 6, 3, 37, 40
+@pytest.mark.parametrize("T", [40, 150])
+def test_mul_mat_id(name, shared_x, T):
+    """A = 3 of E = 6: expert 0 takes every token, 1, 2, 4 the rest (gemm_i8), 3 takes 3
+    tokens (matrix-vector at T = 40; gemm_i8 too at T = 150, past VEC_FEW_MAX_ROWS rows of
+    x), 5 none."""
+    E, A, M = 6, 3, 37
     w, qt, wd = weights((E, M), name, seed=3)
     base = name.removesuffix("_R16")
     w_plain = weights((E, M), base, seed=3)[0]

@@ -264,40 +264,6 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
 
-def test_cpu_share_of_offloaded_experts_matches_cpu(whole, monkeypatch):
-    """A prompt batch whose expert tensors are uploaded whole, on the grouped (tiled) path
-    (more than MMV_MAX_T tokens): the CPU computes experts 0 and 1 (k fixed here), the GPU
-    the rest from a partial upload; the down rows of the CPU's pairs fill the GPU's slots.
-    (Ten tokens on the exact paths differ from the CPU engine by 2.7e-4 of the largest logit
-    with or without the share.)"""
-    from nbmoe import backend_cuda, expert_share
-    monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
-    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1)
-    monkeypatch.setattr(expert_share, "MODE", "2")
-    model = whole
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
-    ids = [3, 44, 100, 7, 250, 11, 90, 5, 61, 128]
-    assert close(llm.eval(ids), cpu_logits(model, ids), rel=4e-4)
-    be = llm.backends["CUDA0"]
-    assert be.prefetched_uploads == llm.cfg.n_layer * 3 and be.cpu_share_pairs > 0
-
-
-def test_cpu_share_adapts():
-    """auto: one more expert for the CPU while the GPU's part is the slower, one fewer when
-    the GPU finished first; never all of them."""
-    from nbmoe import expert_share
-    share = expert_share.ExpertShare()
-    share.k_auto = {}
-    assert share.next_k(128) == 8
-    share._adapt(128, 8, gpu_done=False)
-    assert share.next_k(128) == 9
-    share._adapt(128, 9, gpu_done=True)
-    share._adapt(128, 8, gpu_done=True)
-    assert share.next_k(128) == 7
-    share._adapt(4, 3, gpu_done=False)
-    assert share.next_k(4) == 3
-
-
 DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=64)
 
 

@@ -82,8 +82,9 @@ GEMM_I8 = HAS_VNNI and os.environ.get("NBMOE_GEMM_I8", "1") == "1"
 GEMM_MIN_T = 6
 # ... but the matrix-vector pass prepares every row of x, serially (~3 us a 2048-value row):
 # past this many rows gemm_i8 also takes the experts of fewer pairs, padded to its 8-slot
-# groups (2 threads, Q4_0 2048 -> 768, 128 experts: 64 rows with 90 such experts 11.1 ms by
-# matrix-vector against 11.8; 512 rows with one 36.4 against 34.6).
+# groups (2 threads, Q4_0 768 x 2048, 128 experts, a skewed router: 64 rows with 90 such
+# experts 11.1 ms by matrix-vector against 11.8; 512 rows with one 36.4 against 34.6; on the
+# 16-core GPU machine a 2048-row prompt's product lost ~6 ms to that preparation).
 VEC_FEW_MAX_ROWS = 128
 
 
@@ -351,24 +352,19 @@ def mul_mat_step(out, w, x, qtype):
 
 @njit(cache=True, error_model="numpy")
 def _group_by_expert(ids, E):
-    """order [T*A] of flat pair indices t*A + a sorted by expert; start [E + 1] offsets.
-    Pairs whose id is not in 0..E-1 are left out (the CPU's share of an offloaded product
-    marks the GPU's pairs -1: expert_share.py); order's entries past start[E] are unused."""
+    """order [T*A] of flat pair indices t*A + a sorted by expert; start [E + 1] offsets."""
     flat = ids.ravel()
     start = np.zeros(E + 1, np.int64)
     for p in range(flat.shape[0]):
-        e = flat[p]
-        if 0 <= e < E:
-            start[e + 1] += 1
+        start[flat[p] + 1] += 1
     for e in range(E):
         start[e + 1] += start[e]
     fill = start[:E].copy()
     order = np.empty(flat.shape[0], np.int64)
     for p in range(flat.shape[0]):
         e = flat[p]
-        if 0 <= e < E:
-            order[fill[e]] = p
-            fill[e] += 1
+        order[fill[e]] = p
+        fill[e] += 1
     return order, start
 
 

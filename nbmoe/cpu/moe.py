@@ -13,7 +13,7 @@ comparing logits avoids ties that rounding would create among tiny probabilities
 import numpy as np
 from numba import njit, prange
 
-from .ops import PAR_MIN_ELEMS, _geglu_row, _swiglu_row, exp_f32
+from .ops import PAR_MIN_ELEMS, exp_f32
 
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 0, 1, 2
 
@@ -131,18 +131,3 @@ def moe_combine(out, y, weights):
         _combine_par(out, y, weights)
     else:
         _combine_seq(out, y, weights)
-
-
-# ---------------------------------------------------------------- glu_pairs
-# out [P, F] = act(g [N, F][pairs[p]]) * u [N, F][pairs[p]]: the GLU of some (token, expert)
-# pairs of expert products [T, A, F] (as N = T * A rows), gathered into consecutive rows (the
-# CPU's share of an offloaded MoE layer: its down product then runs over P rows, not T * A).
-# act: 0 SiLU, 1 GELU (matmul.ACT_SILU / ACT_GELU).
-
-@njit(cache=True, error_model="numpy", parallel=True)
-def glu_pairs(out, g, u, pairs, act):
-    for p in prange(pairs.shape[0]):
-        if act == 0:
-            _swiglu_row(out[p], g[pairs[p]], u[pairs[p]])
-        else:
-            _geglu_row(out[p], g[pairs[p]], u[pairs[p]])

@@ -519,13 +519,11 @@ def _tiled_kernel(qtype, TM, TT, RM, RT, gather):
 # whatever the atomics gave: each pair's result does not depend on it), tiles int32: tiles[0]
 # the number n of tiles, then n triples (expert, first index into order, pairs <= TT). One block: shared-memory
 # histogram by atomics, offsets and the tile table by thread 0 (E + N / TT steps), scatter.
-# Experts are numbered from `first`: a pair of expert e is expert e - first of w, and pairs
-# of experts below first are left out (the CPU computes them: expert_share.py).
 
 def _group_kernel():
     def build():
         @cuda.jit
-        def group_by_expert_kernel(ids, E, TT, order, tiles, first):
+        def group_by_expert_kernel(ids, E, TT, order, tiles):
             cnt = cuda.shared.array(MAX_E, i32)
             fill = cuda.shared.array(MAX_E, i32)
             tid = cuda.threadIdx.x
@@ -537,9 +535,7 @@ def _group_kernel():
             cuda.syncthreads()
             for p in range(tid, N, nth):
                 t = p // A
-                e = ids[t, p - t * A] - first
-                if e >= 0:
-                    cuda.atomic.add(cnt, e, 1)
+                cuda.atomic.add(cnt, ids[t, p - t * A], 1)
             cuda.syncthreads()
             if tid == 0:
                 start = 0
@@ -557,9 +553,8 @@ def _group_kernel():
             cuda.syncthreads()
             for p in range(tid, N, nth):
                 t = p // A
-                e = ids[t, p - t * A] - first
-                if e >= 0:
-                    order[cuda.atomic.add(fill, e, 1)] = p
+                slot = cuda.atomic.add(fill, ids[t, p - t * A], 1)
+                order[slot] = p
         return group_by_expert_kernel
     return _cached(("group",), build)
 
@@ -636,12 +631,11 @@ def _int8(qtype, K):
     return INT8_DOT and qtype_info(qtype).idec is not None and K % 32 == 0
 
 
-def _group_by_expert(ids, E, TT, stream, grouped=False, first=0):
+def _group_by_expert(ids, E, TT, stream, grouped=False):
     """(order, tiles, max_tiles): the pairs of ids [T, A] grouped by expert in tiles of <= TT
-    (group_by_expert_kernel; experts first .. first + E - 1, the others left out); max_tiles
-    bounds the table's length (the grid's y size). grouped: the last grouping on this GPU was
-    of these ids, E, TT and first (the gate, up and down products of a MoE layer share their
-    ids): its table is reused, no launch."""
+    (group_by_expert_kernel); max_tiles bounds the table's length (the grid's y size).
+    grouped: the last grouping on this GPU was of these ids, E and TT (the gate, up and down
+    products of a MoE layer share their ids): its table is reused, no launch."""
     if E > MAX_E:
         raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
     N = ids.shape[0] * ids.shape[1]
@@ -649,7 +643,7 @@ def _group_by_expert(ids, E, TT, stream, grouped=False, first=0):
     order = _buffer("order", N, np.int32)
     tiles = _buffer("tiles", 1 + 3 * max_tiles, np.int32)
     if not grouped:
-        _group_kernel()[1, 256, stream](ids, E, TT, order, tiles, first)
+        _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
     return order, tiles, max_tiles
 
 
@@ -700,10 +694,9 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
         _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
 
 
-def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, first=0):
+def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
     """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
-    x [T, X, K], ids int32 [T, A] on the device. grouped, first (prompts only: w holds experts
-    first.., the pairs of lower ones are left out): see _group_by_expert."""
+    x [T, X, K], ids int32 [T, A] on the device. grouped: see _group_by_expert."""
     RB, K = _rb_k(w, qtype)
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
@@ -712,8 +705,6 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, fi
     if N == 0:
         return
     if T <= MMV_MAX_T or K % 32 != 0:
-        if first:
-            raise ValueError("mul_mat_id: first is for grouped (prompt) products, id_tile > 0")
         grid = ((M + MMV_WARPS - 1) // MMV_WARPS, N)
         if _int8(qtype, K):
             xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
@@ -723,10 +714,10 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, fi
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
     if MMA and _int8(qtype, K):
-        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped, first)
+        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped)
         return
     TT = TILE_T_ID
-    order, tiles, max_tiles = _group_by_expert(ids, E, TT, stream, grouped, first)
+    order, tiles, max_tiles = _group_by_expert(ids, E, TT, stream, grouped)
     kern, nth = _tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
     kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X)
 

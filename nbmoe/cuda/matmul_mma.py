@@ -280,13 +280,13 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
     kern[((M + TM - 1) // TM, (T + TT - 1) // TT), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1)
 
 
-def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, first=0):
+def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False):
     """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0], the pairs
     grouped by expert in tiles of TT_ID slots (matmul._group_by_expert)."""
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
     xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
-    order, tiles, n_tiles = _group_by_expert(ids, E, TT_ID, stream, grouped, first)
+    order, tiles, n_tiles = _group_by_expert(ids, E, TT_ID, stream, grouped)
     kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
     kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X)

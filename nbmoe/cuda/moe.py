@@ -148,24 +148,3 @@ def moe_combine(out, y, weights, stream=0):
     n = out.size
     if n:
         moe_combine_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](out, y, weights)
-
-
-# ---------------------------------------------------------------- set_rows
-# y [N, D] (a [T, A, D] product output as pair rows): y[rows[p]] = src[p] for p < P. The
-# (token, expert) pairs the CPU computed land in the slots the GPU's product left out
-# (expert_share.py). One thread per value.
-
-@cuda.jit
-def set_rows_kernel(y, rows, src):
-    P, D = src.shape
-    idx = cuda.grid(1)
-    if idx < P * D:
-        p = idx // D
-        y[rows[p], idx - p * D] = src[p, idx - p * D]
-
-
-def set_rows(y, rows, src, stream=0):
-    """y [N, D][rows[p]] = src [P, D][p]; rows int32 [P] on the device."""
-    n = src.shape[0] * src.shape[1]
-    if n:
-        set_rows_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](y, rows, src)
