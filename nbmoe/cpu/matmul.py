@@ -83,8 +83,8 @@ GEMM_MIN_T = 6
 # ... but the matrix-vector pass prepares every row of x, serially (~3 us a 2048-value row):
 # past this many rows gemm_i8 also takes the experts of fewer pairs, padded to its 8-slot
 # groups (2 threads, Q4_0 768 x 2048, 128 experts, a skewed router: 64 rows with 90 such
-# experts 11.1 ms by matrix-vector against 11.8; 512 rows with one 36.4 against 34.6; on the
-# 16-core GPU machine a 2048-row prompt's product lost ~6 ms to that preparation).
+# experts 11.1 ms by matrix-vector against 11.8; 512 rows with one 36.4 against 34.6; 2048
+# rows of 2048 values take ~6 ms to prepare, whatever the thread count).
 VEC_FEW_MAX_ROWS = 128
 
 
