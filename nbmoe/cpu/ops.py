@@ -293,19 +293,45 @@ _GELU_K = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_C = np.float32(0.044715)
 
 
+# out aliasing gate or up (the graph's GLU writes in place) gets a loop over two arrays: with
+# three, LLVM's run-time overlap check fails and the scalar loop runs (512 x 3072 in place:
+# 1.79 ms -> 0.34 ms on 2 threads, as fast as into a separate array).
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _silu_times(g, u):
+    return g / (np.float32(1.0) + exp_f32(-g)) * u
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _gelu_times(g, u):
+    z = _GELU_K * (g + _GELU_C * g * g * g)
+    return g / (np.float32(1.0) + exp_f32(-z)) * u
+
+
 @njit(cache=True, error_model="numpy")
 def _swiglu_row(out, gate, up):
-    for i in range(out.shape[0]):
-        g = gate[i]
-        out[i] = g / (np.float32(1.0) + exp_f32(-g)) * up[i]
+    if out.ctypes.data == gate.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] = _silu_times(out[i], up[i])
+    elif out.ctypes.data == up.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] = _silu_times(gate[i], out[i])
+    else:
+        for i in range(out.shape[0]):
+            out[i] = _silu_times(gate[i], up[i])
 
 
 @njit(cache=True, error_model="numpy")
 def _geglu_row(out, gate, up):
-    for i in range(out.shape[0]):
-        g = gate[i]
-        z = _GELU_K * (g + _GELU_C * g * g * g)
-        out[i] = g / (np.float32(1.0) + exp_f32(-z)) * up[i]
+    if out.ctypes.data == gate.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] = _gelu_times(out[i], up[i])
+    elif out.ctypes.data == up.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] = _gelu_times(gate[i], out[i])
+    else:
+        for i in range(out.shape[0]):
+            out[i] = _gelu_times(gate[i], up[i])
 
 
 @njit(cache=True, error_model="numpy")
