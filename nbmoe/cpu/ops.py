@@ -73,8 +73,12 @@ def _rms_norm_row(out, x, w, eps):
         v = np.float64(x[i])
         ss += v * v
     r = np.float32(1.0 / math.sqrt(ss / n + eps))
-    for i in range(n):
-        out[i] = x[i] * r * w[i]
+    if out.ctypes.data == x.ctypes.data:    # in place: two arrays, or the loop stays scalar
+        for i in range(n):                  # (see swiglu below; 512 x 576: 57 -> 25 us)
+            out[i] = out[i] * r * w[i]
+    else:
+        for i in range(n):
+            out[i] = x[i] * r * w[i]
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
