@@ -312,30 +312,28 @@ def _gelu_times(g, u):
     return g / (np.float32(1.0) + exp_f32(-z)) * u
 
 
-@njit(cache=True, error_model="numpy")
-def _swiglu_row(out, gate, up):
+@njit(cache=True, error_model="numpy", inline="always")
+def _glu_row(out, gate, up, act_times):
+    """out[i] = act_times(gate[i], up[i]), over two arrays where out is gate or up."""
     if out.ctypes.data == gate.ctypes.data:
         for i in range(out.shape[0]):
-            out[i] = _silu_times(out[i], up[i])
+            out[i] = act_times(out[i], up[i])
     elif out.ctypes.data == up.ctypes.data:
         for i in range(out.shape[0]):
-            out[i] = _silu_times(gate[i], out[i])
+            out[i] = act_times(gate[i], out[i])
     else:
         for i in range(out.shape[0]):
-            out[i] = _silu_times(gate[i], up[i])
+            out[i] = act_times(gate[i], up[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _swiglu_row(out, gate, up):
+    _glu_row(out, gate, up, _silu_times)
 
 
 @njit(cache=True, error_model="numpy")
 def _geglu_row(out, gate, up):
-    if out.ctypes.data == gate.ctypes.data:
-        for i in range(out.shape[0]):
-            out[i] = _gelu_times(out[i], up[i])
-    elif out.ctypes.data == up.ctypes.data:
-        for i in range(out.shape[0]):
-            out[i] = _gelu_times(gate[i], out[i])
-    else:
-        for i in range(out.shape[0]):
-            out[i] = _gelu_times(gate[i], up[i])
+    _glu_row(out, gate, up, _gelu_times)
 
 
 @njit(cache=True, error_model="numpy")
