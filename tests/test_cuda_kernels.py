@@ -230,29 +230,29 @@ def test_x_ready_reuses_the_quantized_x(small):
     assert np.array_equal(got.copy_to_host(), want.copy_to_host())
 
 
+def _check_mul_mat(label, w, wref, name, T, seed):
+    """mul_mat of T random tokens (rnd seed `seed`) by w on the device, against x @ wref^T."""
+    x = rnd(T, wref.shape[1], seed=seed)
+    out = poisoned((T, wref.shape[0]))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check(label, out.copy_to_host(), x @ wref.T)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_mul_mat_tiled(name, small, monkeypatch):
     """T = 11 tokens, tiles of 16 rows x 8 tokens: partial row and token tiles, 2 k-steps."""
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
-    M, K, T = 37, 64, 11
-    w, wref = quantize(rnd(M, K, seed=4), name)
-    x = rnd(T, K, seed=5)
-    out = poisoned((T, M))
-    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
-    check(f"mul_mat tiled {name}", out.copy_to_host(), x @ wref.T)
+    w, wref = quantize(rnd(37, 64, seed=4), name)
+    _check_mul_mat(f"mul_mat tiled {name}", w, wref, name, 11, seed=5)
 
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 def test_mul_mat_float_odd_K(name, small, monkeypatch):
     """Float rows of K = 61 values: the matrix-vector kernel at T = 1, and in token chunks at T = 5."""
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
-    M, K = 9, 61
-    w, wref = quantize(rnd(M, K, seed=6), name)
+    w, wref = quantize(rnd(9, 61, seed=6), name)
     for T in (1, 5):
-        x = rnd(T, K, seed=7 + T)
-        out = poisoned((T, M))
-        matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
-        check(f"mul_mat odd K {name}", out.copy_to_host(), x @ wref.T)
+        _check_mul_mat(f"mul_mat odd K {name}", w, wref, name, T, seed=7 + T)
 
 
 @pytest.mark.parametrize("name", ["F32", "BF16"])
@@ -260,12 +260,8 @@ def test_mul_mat_small_float_prompt(name, small, monkeypatch):
     """A float matrix of few rows (a router) at a prompt's T: matrix-vector over token chunks."""
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
     monkeypatch.setattr(matmul, "TILED_MIN_M", 16)
-    M, K, T = 9, 64, 11
-    w, wref = quantize(rnd(M, K, seed=16), name)
-    x = rnd(T, K, seed=17)
-    out = poisoned((T, M))
-    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
-    check(f"mul_mat small float prompt {name}", out.copy_to_host(), x @ wref.T)
+    w, wref = quantize(rnd(9, 64, seed=16), name)
+    _check_mul_mat(f"mul_mat small float prompt {name}", w, wref, name, 11, seed=17)
 
 
 # ---------------------------------------------------------------- mul_mat_id
