@@ -25,9 +25,8 @@ import nbmoe.cuda  # noqa: F401  (defines np.row_stack before numba.cuda is impo
 from numba import cuda  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from ref_quant import random_blocks  # noqa: E402
+from ref_quant import random_rows  # noqa: E402
 
 from nbmoe.cuda import matmul as mm  # noqa: E402
 from nbmoe.cuda import matmul_mma  # noqa: E402
@@ -35,11 +34,6 @@ from nbmoe.cuda.matmul import _time_ms  # noqa: E402
 
 TOL_X8 = 2e-2       # vs the float path, x as given (8-bit rounding of x)
 TOL_GRID = 1e-4     # vs the float path, x on the 8-bit grid
-
-
-def random_rows(rng, rows, K, name):
-    """uint8 [rows, row_bytes] of random blocks: random codes, f16 scales in 0.002..0.02."""
-    return random_blocks(rng, rows * K // GGML_QUANT_SIZES[Q[name]][0], name).reshape(rows, -1)
 
 
 def on_grid(x):

@@ -25,9 +25,8 @@ import nbmoe.cuda  # noqa: F401  (defines np.row_stack before numba.cuda is impo
 from numba import cuda  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from ref_quant import random_blocks  # noqa: E402
+from ref_quant import random_rows  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from nbmoe.cuda import device_fn, dp4a, fused, ld_f32, ld_i32, matmul, mmv_q8, warp_sum  # noqa: E402
@@ -133,11 +132,6 @@ def old_kernels(qt, S):
 
 
 # ---------------------------------------------------------------- data
-
-def random_rows(rng, rows, K, name):
-    """uint8 [rows, row_bytes] of random blocks: random codes, f16 scales d in 0.002..0.02."""
-    return random_blocks(rng, rows * K // GGML_QUANT_SIZES[Q[name]][0], name).reshape(rows, -1)
-
 
 def on_grid(x):
     """x [..., K] on its 8-bit grid (as quantize_x rounds it): codes rint(x / d), d = max|x| / 127."""

@@ -182,6 +182,12 @@ def random_blocks(rng, n, type_name):
     return q
 
 
+def random_rows(rng, rows, K, type_name):
+    """uint8 [rows, row_bytes]: rows of K values in random_blocks."""
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    return random_blocks(rng, rows * K // block, type_name).reshape(rows, -1)
+
+
 def quantize(x, type_name):
     """float32 [..., K] -> uint8 [..., row_bytes] of GGUF type type_name (as gguf.quants.quantize)."""
     x = np.asarray(x, np.float32)
