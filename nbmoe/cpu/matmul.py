@@ -414,7 +414,8 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act):
 
 def mul_mat_id(out, w, x, ids, qtype):
     """out [T, A, M] = per-token expert products; see the comment above _mul_mat_id_vec."""
-    many = GEMM_MIN_T if batched_int8(qtype) else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
+    gemm = batched_int8(qtype)
+    many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
         step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
         _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE)
@@ -423,14 +424,14 @@ def mul_mat_id(out, w, x, ids, qtype):
     A = ids.shape[1]
     order, start = _group_by_expert(ids, w.shape[0])
     counts = np.diff(start)
-    if batched_int8(qtype) and T * X > VEC_FEW_MAX_ROWS:
+    if gemm and T * X > VEC_FEW_MAX_ROWS:
         many = 1                                   # gemm_i8 takes the experts of few tokens too
     if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
         _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)
-    if batched_int8(qtype):
+    if gemm:
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)
         return
-    for e in np.flatnonzero(np.diff(start) >= BLAS_MIN_T):
+    for e in np.flatnonzero(counts >= BLAS_MIN_T):
         pairs = order[start[e]:start[e + 1]]
         t, a = pairs // A, pairs % A
         xe = x[t, a if X == A else 0]                                  # [n, K]
