@@ -102,6 +102,18 @@ def lanes16():
     return acc
 
 
+# Matrix-vector kernels walk four rows a quarter of their run apart side by side, not one
+# row after another: one core keeps more cache-line misses in flight on four sequential
+# streams than on one (Q4_0 4096 x 4096 from memory, 2 threads: 67% of the streaming read
+# row by row, 79% with two streams, 85% with four; four rows taken in turn, not side by
+# side, stay at 71%).
+@njit(inline="always")
+def stream_rows(R):
+    """Rows per stream for R rows: rows r, r + H, r + 2H, r + 3H (r < H) go side by side;
+    rows 4H .. R - 1 (fewer than 4) are left for a one-row loop."""
+    return max(R, 0) // 4
+
+
 @njit(inline="always")
 def block32():
     """32 float32 on the caller's stack: a decoded block, so that all loads of a block's

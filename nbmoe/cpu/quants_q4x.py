@@ -45,7 +45,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import FM, lanes16, sum16
+from .quants import FM, lanes16, stream_rows, sum16
 
 u64 = np.uint64
 from .simd import HAS_VNNI, PREFETCH, prefetch_lines
@@ -193,11 +193,22 @@ acc_step, acc_step_masked = _step_intrinsic(False), _step_intrinsic(True)
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def dot_rows_q4x(out, w, xr):
     """out [R] <- Q4_0 rows w [R, RB] @ x, x as prepare_q4x's record xr (any dtype: bytes).
-    A row's last step reads on into the next row (there x is 0); only the last row's is
-    masked, to stay inside w."""
+    Four rows a quarter of the matrix apart go side by side (quants.stream_rows: four
+    streams from memory). A row's last step reads on into the next row (there x is 0);
+    only the last row's is masked, to stay inside w, so that row stays out of the streams."""
     R, S, rs = w.shape[0], (w.shape[1] + STEP - 1) // STEP, w.strides[0]
     full = w.shape[1] // STEP                       # steps wholly inside the row
-    for r in range(R - 1):
+    H = stream_rows(R - 1)
+    for r in range(H):
+        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
+        o0, o1, o2, o3 = r * rs, (r + H) * rs, (r + 2 * H) * rs, (r + 3 * H) * rs
+        for t in range(S):
+            acc_step(a0, w, o0, xr, t, S)
+            acc_step(a1, w, o1, xr, t, S)
+            acc_step(a2, w, o2, xr, t, S)
+            acc_step(a3, w, o3, xr, t, S)
+        out[r], out[r + H], out[r + 2 * H], out[r + 3 * H] = sum16(a0), sum16(a1), sum16(a2), sum16(a3)
+    for r in range(4 * H, R - 1):
         acc = lanes16()
         for t in range(S):
             acc_step(acc, w, r * rs, xr, t, S)
