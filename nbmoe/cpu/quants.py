@@ -115,6 +115,30 @@ def stream_rows(R):
 
 
 @njit(inline="always")
+def rows_in_streams(acc_block, size, n, out, w, xa, xb, xc):
+    """out [R] <- rows of w [R, row_bytes] @ x, where acc_block(acc, w, o, xa, xb, xc, i)
+    adds unit i (the n units of `size` bytes that open each row) of the row at byte o of w
+    to the lanes acc; rows in four streams (stream_rows). Rows are byte offsets into w,
+    not views (a view costs an atomic refcount pair)."""
+    R, rs = w.shape[0], w.strides[0]
+    H = stream_rows(R)
+    for r in range(H):
+        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
+        o0, o1, o2, o3 = r * rs, (r + H) * rs, (r + 2 * H) * rs, (r + 3 * H) * rs
+        for i in range(n):
+            acc_block(a0, w, o0 + i * size, xa, xb, xc, i)
+            acc_block(a1, w, o1 + i * size, xa, xb, xc, i)
+            acc_block(a2, w, o2 + i * size, xa, xb, xc, i)
+            acc_block(a3, w, o3 + i * size, xa, xb, xc, i)
+        out[r], out[r + H], out[r + 2 * H], out[r + 3 * H] = sum16(a0), sum16(a1), sum16(a2), sum16(a3)
+    for r in range(4 * H, R):
+        acc, o = lanes16(), r * rs
+        for i in range(n):
+            acc_block(acc, w, o + i * size, xa, xb, xc, i)
+        out[r] = sum16(acc)
+
+
+@njit(inline="always")
 def block32():
     """32 float32 on the caller's stack: a decoded block, so that all loads of a block's
     bytes come before the stores to the output (which LLVM cannot prove are elsewhere)."""

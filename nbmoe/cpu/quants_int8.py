@@ -49,7 +49,8 @@ from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
 from .simd import PREFETCH, prefetch_lines
-from .quants import FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, sum16
+from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, stream_rows,
+                     sum16)
 
 _FEATURES = llb.get_host_cpu_features()
 # NBMOE_NO_VNNI=1 forces the generic dot4 (use a separate NUMBA_CACHE_DIR: Numba's cache
@@ -285,35 +286,44 @@ def block_bytes(qt):
 
 
 @njit(inline="always")
-def dot_rows_b32(qt, out, w, xq, xd, xb, xds):
-    """out [R] <- w [R, row_bytes] @ x for Q4_0 / Q4_1 / Q8_0 (qt a constant): rows two at a
-    time, 4 blocks per call, then a pair and a single block for the rest of each row. Rows
-    are passed as byte offsets into w: a row view w[r] costs an atomic refcount pair."""
+def _acc_row(qt, acc, w, o, xq, xd, xb, xds, b0, nb):
+    """acc += blocks b0 .. nb - 1 of the row at byte o of w, 4, then 2, then 1 at a time."""
     size = block_bytes(qt)
-    nb, rs = w.shape[1] // size, w.strides[0]
-    n4, n2 = nb // 4 * 4, nb // 2 * 2
-    for r in range(0, w.shape[0] - 1, 2):
-        o0, o1, acc0, acc1 = r * rs, (r + 1) * rs, lanes16(), lanes16()
+    n4, n2 = b0 + (nb - b0) // 4 * 4, b0 + (nb - b0) // 2 * 2
+    for b in range(b0, n4, 4):
+        acc_blocks(qt, 4, acc, w, o + b * size, xq, xd, xb, xds, b)
+    for b in range(n4, n2, 2):
+        acc_blocks(qt, 2, acc, w, o + b * size, xq, xd, xb, xds, b)
+    for b in range(n2, nb):
+        acc_blocks(qt, 1, acc, w, o + b * size, xq, xd, xb, xds, b)
+
+
+@njit(inline="always")
+def dot_rows_b32(qt, out, w, xq, xd, xb, xds):
+    """out [R] <- w [R, row_bytes] @ x for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (qt a constant):
+    rows in four streams (quants.rows_in_streams), 4 blocks per call side by side, then the
+    last 1-3 blocks of each row; the rows left over one by one."""
+    size = block_bytes(qt)
+    nb, rs, R = w.shape[1] // size, w.strides[0], w.shape[0]
+    n4 = nb // 4 * 4
+    H = stream_rows(R)
+    for r in range(H):
+        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
+        o0, o1, o2, o3 = r * rs, (r + H) * rs, (r + 2 * H) * rs, (r + 3 * H) * rs
         for b in range(0, n4, 4):
-            acc_blocks(qt, 4, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-            acc_blocks(qt, 4, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
-        for b in range(n4, n2, 2):
-            acc_blocks(qt, 2, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-            acc_blocks(qt, 2, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
-        for b in range(n2, nb):
-            acc_blocks(qt, 1, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-            acc_blocks(qt, 1, acc1, w, o1 + b * size, xq, xd, xb, xds, b)
-        out[r], out[r + 1] = sum16(acc0), sum16(acc1)
-    if w.shape[0] % 2:
-        r = w.shape[0] - 1
-        o0, acc0 = r * rs, lanes16()
-        for b in range(0, n4, 4):
-            acc_blocks(qt, 4, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-        for b in range(n4, n2, 2):
-            acc_blocks(qt, 2, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-        for b in range(n2, nb):
-            acc_blocks(qt, 1, acc0, w, o0 + b * size, xq, xd, xb, xds, b)
-        out[r] = sum16(acc0)
+            acc_blocks(qt, 4, a0, w, o0 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 4, a1, w, o1 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 4, a2, w, o2 + b * size, xq, xd, xb, xds, b)
+            acc_blocks(qt, 4, a3, w, o3 + b * size, xq, xd, xb, xds, b)
+        _acc_row(qt, a0, w, o0, xq, xd, xb, xds, n4, nb)
+        _acc_row(qt, a1, w, o1, xq, xd, xb, xds, n4, nb)
+        _acc_row(qt, a2, w, o2, xq, xd, xb, xds, n4, nb)
+        _acc_row(qt, a3, w, o3, xq, xd, xb, xds, n4, nb)
+        out[r], out[r + H], out[r + 2 * H], out[r + 3 * H] = sum16(a0), sum16(a1), sum16(a2), sum16(a3)
+    for r in range(4 * H, R):
+        acc = lanes16()
+        _acc_row(qt, acc, w, r * rs, xq, xd, xb, xds, 0, nb)
+        out[r] = sum16(acc)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .quants import FM, block32, f32, lanes16, load_f16, sum16, u8, u32
+from .quants import FM, block32, f32, lanes16, load_f16, rows_in_streams, sum16, u8, u32
 
 u64 = np.uint64
 from .simd import F32, I32, acc_intrinsic, const, vec
@@ -313,11 +313,7 @@ def quads(xb, K):
 def dot_rows_iq4_nl_i8(out, w, xq, xd, xs, xb):
     nb = w.shape[1] // 18
     xq4, xl = quads(xb, 32 * nb)
-    for r in range(w.shape[0]):
-        row, acc = w[r], lanes16()
-        for b in range(0, nb - 3, 4):
-            acc_iq4_nl_quad(acc, row, b * 18, xq4, xd, xl, b // 4)
-        out[r] = sum16(acc)
+    rows_in_streams(acc_iq4_nl_quad, 4 * 18, nb // 4, out, w, xq4, xd, xl)
     for b in range(nb // 4 * 4, nb):
         for r in range(w.shape[0]):
             row, acc = w[r], lanes16()
@@ -329,11 +325,7 @@ def dot_rows_iq4_nl_i8(out, w, xq, xd, xs, xb):
 def dot_rows_mxfp4_i8(out, w, xq, xd, xs, xb):
     nb = w.shape[1] // 17
     xq4, xl = quads(xb, 32 * nb)
-    for r in range(w.shape[0]):
-        row, acc = w[r], lanes16()
-        for b in range(0, nb - 3, 4):
-            acc_mxfp4_quad(acc, row, b * 17, xq4, xd, xl, b // 4)
-        out[r] = sum16(acc)
+    rows_in_streams(acc_mxfp4_quad, 4 * 17, nb // 4, out, w, xq4, xd, xl)
     for b in range(nb // 4 * 4, nb):
         for r in range(w.shape[0]):
             row, acc = w[r], lanes16()
@@ -344,11 +336,7 @@ def dot_rows_mxfp4_i8(out, w, xq, xd, xs, xb):
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def dot_rows_iq4_xs_i8(out, w, xq, xd, xs, xb):
     xq4, xl = quads(xb, w.shape[1] // 136 * 256)
-    for r in range(w.shape[0]):
-        row, acc = w[r], lanes16()
-        for b in range(row.shape[0] // 136):
-            acc_iq4_xs_quad(acc, row, b * 136, xq4, xd, xl, b)
-        out[r] = sum16(acc)
+    rows_in_streams(acc_iq4_xs_quad, 136, w.shape[1] // 136, out, w, xq4, xd, xl)
 
 
 # ---------------------------------------------------------------- dispatch (from quants.py, quants_int8.py)

@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils
 
-from .quants import FM, lanes16, sum16
+from .quants import FM, lanes16, rows_in_streams, sum16
 from .quants_iq import (IQ1_GRID, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ2S_GRID, IQ2XS_GRID,
                         IQ2XXS_GRID, IQ3_S, IQ3_XXS, IQ3S_GRID, IQ3XXS_GRID)
 from .simd import I8, I32, acc_intrinsic, const, vec
@@ -232,11 +232,7 @@ acc_iq1_m = acc_intrinsic(_iq1_m, 256, 8)
 
 @njit(inline="always")
 def _rows_i8(acc_block, size, out, w, xq, xd, xs):
-    for r in range(w.shape[0]):
-        row, acc = w[r], lanes16()
-        for b in range(row.shape[0] // size):
-            acc_block(acc, row, b * size, xq, xd, xs, b)
-        out[r] = sum16(acc)
+    rows_in_streams(acc_block, size, w.shape[1] // size, out, w, xq, xd, xs)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)

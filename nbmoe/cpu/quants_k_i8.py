@@ -20,7 +20,7 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, njit
 
-from .quants import FM, f32, lanes16, stack_f32, sum16
+from .quants import FM, f32, lanes16, rows_in_streams, stack_f32, sum16
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .simd import F32, I8, I32, acc_intrinsic, const, vec
 
@@ -188,22 +188,21 @@ def acc_superblock(qt, acc, w, o, xq, xd, xs, b):
 
 @njit(inline="always")
 def dot_rows_k(qt, out, w, xq, xd, xs):
-    """out [R] <- w [R, row_bytes] @ x for K-quant qt (a constant), two rows side by side:
-    each row's super-blocks form one chain of dependent adds, two chains overlap (Q4_K in L2,
-    1 thread: +14% at K = 768, +10% at 4096). Rows are byte offsets into w, not views."""
+    """out [R] <- w [R, row_bytes] @ x for K-quant qt (a constant), rows in four streams
+    (quants.rows_in_streams); each row's super-blocks form one chain of dependent adds, so
+    the four rows side by side also overlap four chains."""
     size = superblock_bytes(qt)
-    nb, rs, R = w.shape[1] // size, w.strides[0], w.shape[0]
-    for r in range(0, R - 1, 2):
-        acc0, acc1, o0, o1 = lanes16(), lanes16(), r * rs, (r + 1) * rs
-        for b in range(nb):
-            acc_superblock(qt, acc0, w, o0 + b * size, xq, xd, xs, b)
-            acc_superblock(qt, acc1, w, o1 + b * size, xq, xd, xs, b)
-        out[r], out[r + 1] = sum16(acc0), sum16(acc1)
-    if R % 2:
-        acc0, o0 = lanes16(), (R - 1) * rs
-        for b in range(nb):
-            acc_superblock(qt, acc0, w, o0 + b * size, xq, xd, xs, b)
-        out[R - 1] = sum16(acc0)
+    nb = w.shape[1] // size
+    if qt == Q4_K:
+        rows_in_streams(acc_q4_k, size, nb, out, w, xq, xd, xs)
+    elif qt == Q6_K:
+        rows_in_streams(acc_q6_k, size, nb, out, w, xq, xd, xs)
+    elif qt == Q5_K:
+        rows_in_streams(acc_q5_k, size, nb, out, w, xq, xd, xs)
+    elif qt == Q3_K:
+        rows_in_streams(acc_q3_k, size, nb, out, w, xq, xd, xs)
+    else:
+        rows_in_streams(acc_q2_k, size, nb, out, w, xq, xd, xs)
 
 
 # xs: the 32-groups' sums (Q4_K, Q5_K: per sub-block mins) or the 16-groups' (sums16)
