@@ -387,6 +387,22 @@ def test_mul_mat_rtr(name, T, K, monkeypatch):
 
 
 @pytest.mark.parametrize("name", RTR_TYPES)
+def test_mul_mat_rtr_streams(name, monkeypatch):
+    """One work item of 5 groups and a 5-row tail: groups 0-3 go side by side as four
+    streams (quants.stream_rows), group 4 alone, the tail in the GGUF layout."""
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 1 << 30)     # one item, on this thread
+    M, K = 85, rtr_k(name)
+    w = rtr_weights((M,), name, K, seed=25)
+    wr, qr = repacked(w, name)
+    assert matmul.item_rows(M, w.shape[1], 1, qr) == M
+    x = rnd(1, K, seed=26)
+    got, plain = (np.full((1, M), np.nan, np.float32) for _ in range(2))
+    matmul.mul_mat(got, wr, x, qr)
+    matmul.mul_mat(plain, w, x, int(Q[name]))
+    assert max_rel(got, plain.astype(np.float64)) < RTOL_RTR
+
+
+@pytest.mark.parametrize("name", RTR_TYPES)
 @pytest.mark.parametrize("T", [1, 5, 17])
 def test_mul_mat_id_rtr(name, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)

@@ -139,6 +139,13 @@ def rows_in_streams(acc_block, size, n, out, w, xa, xb, xc):
 
 
 @njit(inline="always")
+def store_lanes(out, r, acc):
+    """out[r:r + 16] = the 16 lanes of acc (a repacked group's 16 row dots)."""
+    for j in range(16):
+        out[r + j] = acc[j]
+
+
+@njit(inline="always")
 def block32():
     """32 float32 on the caller's stack: a decoded block, so that all loads of a block's
     bytes come before the stores to the output (which LLVM cannot prove are elsewhere)."""

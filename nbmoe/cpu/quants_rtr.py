@@ -56,7 +56,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import quants_rtr_k, quants_rtr_xs
-from .quants import FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16
+from .quants import (FM, Q4_0, Q4_1, Q8_0, block32, dequant_rows, f32, lanes16, load_f16, store_lanes,
+                     stream_rows)
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_iq4 import _IQ4_U8, _MXFP4_U8, IQ4_NL, IQ4_XS, KV_IQ4, KV_MXFP4, MXFP4, e8m0_half
 from .quants_k import Q4_K
@@ -430,12 +431,21 @@ def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
     B = w.shape[1] // size
     G = w.shape[0] // GROUP
     xbb = xb[xb.shape[0] - B:]
-    for g in range(G):
-        acc, o = lanes16(), g * GROUP * rb
+    H, gb = stream_rows(G), GROUP * rb                # groups in four streams, as rows_in_streams
+    for g in range(H):
+        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         for b in range(B):
-            acc_group(qt, acc, w, o, B, xq, xd, xs, xbb, b)
-        for j in range(GROUP):
-            out[g * GROUP + j] = acc[j]
+            acc_group(qt, a0, w, g * gb, B, xq, xd, xs, xbb, b)
+            acc_group(qt, a1, w, (g + H) * gb, B, xq, xd, xs, xbb, b)
+            acc_group(qt, a2, w, (g + 2 * H) * gb, B, xq, xd, xs, xbb, b)
+            acc_group(qt, a3, w, (g + 3 * H) * gb, B, xq, xd, xs, xbb, b)
+        for i, a in enumerate((a0, a1, a2, a3)):
+            store_lanes(out, (g + i * H) * GROUP, a)
+    for g in range(4 * H, G):
+        acc = lanes16()
+        for b in range(B):
+            acc_group(qt, acc, w, g * gb, B, xq, xd, xs, xbb, b)
+        store_lanes(out, g * GROUP, acc)
     if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
         # qt as a run-time int: the tail shares the all-type kernel compiled for the
         # plain rows (a constant qt compiles a copy of the whole type dispatch per type)
