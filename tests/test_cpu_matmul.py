@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import early
+from gguf import GGMLQuantizationType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -310,6 +311,33 @@ def test_mat_vec_on_one_thread(name, monkeypatch):
     assert max_rel(one, (x_rounded(x) if int8 else x.astype(np.float64)) @ ref_dequant(w, name, K).T) < RTOL
 
 
+# Four streams (quants.stream_rows) need runs of >= 4 * STREAM_MIN_BYTES: rows of 4096
+# values, enough of them for one item of four streams plus a tail (Q4_0: the masked last
+# row), for every type with an integer matrix-vector kernel.
+STREAM_TYPES = sorted(GGMLQuantizationType(t).name for t in INT8_TYPES)
+
+
+@pytest.mark.parametrize("name", STREAM_TYPES)
+def test_mat_vec_streams(name, monkeypatch):
+    import ref_quant
+    import ref_quant_iq
+    from nbmoe.cpu.quants import STREAM_MIN_BYTES
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 1 << 30)     # one item, on this thread
+    K, rb = 4096, matmul.row_size(int(Q[name]), 4096)
+    need = -(-4 * STREAM_MIN_BYTES // rb)                      # rows for four streams
+    M = (need + 3) // 4 * 4 + 2                                # and a tail of two
+    blocks = (ref_quant_iq if name in ref_quant_iq.NAMES else ref_quant).random_blocks
+    n = M * K // matmul.TYPES[int(Q[name])][0]
+    w = np.ascontiguousarray(blocks(np.random.default_rng(27), n, name).reshape(M, -1))
+    w.flags.writeable = False
+    assert (M - 1) * w.shape[1] >= 4 * STREAM_MIN_BYTES and matmul.item_rows(M, w.shape[1], 1) == M
+    x = rnd(1, K, seed=28)
+    out = np.full((1, M), np.nan, np.float32)
+    matmul.mul_mat(out, w, x, int(Q[name]))
+    assert max_rel(out, x_rounded(x) @ ref_dequant(w, name, K).T) < RTOL
+
+
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
 # layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); IQ4_NL, MXFP4 and Q4_K
@@ -388,10 +416,10 @@ def test_mul_mat_rtr(name, T, K, monkeypatch):
 
 @pytest.mark.parametrize("name", RTR_TYPES)
 def test_mul_mat_rtr_streams(name, monkeypatch):
-    """One work item of 5 groups and a 5-row tail: groups 0-3 go side by side as four
-    streams (quants.stream_rows), group 4 alone, the tail in the GGUF layout."""
+    """One work item of 5 groups of 4096 values and a 5-row tail: groups 0-3 go side by
+    side as four streams (quants.stream_rows), group 4 alone, the tail in the GGUF layout."""
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 1 << 30)     # one item, on this thread
-    M, K = 85, rtr_k(name)
+    M, K = 85, 4096
     w = rtr_weights((M,), name, K, seed=25)
     wr, qr = repacked(w, name)
     assert matmul.item_rows(M, w.shape[1], 1, qr) == M

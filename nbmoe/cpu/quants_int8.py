@@ -306,7 +306,7 @@ def dot_rows_b32(qt, out, w, xq, xd, xb, xds):
     size = block_bytes(qt)
     nb, rs, R = w.shape[1] // size, w.strides[0], w.shape[0]
     n4 = nb // 4 * 4
-    H = stream_rows(R)
+    H = stream_rows(R, w.shape[1])
     for r in range(H):
         a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         o0, o1, o2, o3 = r * rs, (r + H) * rs, (r + 2 * H) * rs, (r + 3 * H) * rs

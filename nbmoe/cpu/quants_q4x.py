@@ -198,7 +198,7 @@ def dot_rows_q4x(out, w, xr):
     only the last row's is masked, to stay inside w, so that row stays out of the streams."""
     R, S, rs = w.shape[0], (w.shape[1] + STEP - 1) // STEP, w.strides[0]
     full = w.shape[1] // STEP                       # steps wholly inside the row
-    H = stream_rows(R - 1)
+    H = stream_rows(R - 1, w.shape[1])
     for r in range(H):
         a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         o0, o1, o2, o3 = r * rs, (r + H) * rs, (r + 2 * H) * rs, (r + 3 * H) * rs
