@@ -211,8 +211,7 @@ class CPUBackend(Backend):
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
-        step = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype, ids.shape[1])
-        int8 = mm._int8(qtype)
+        step, int8 = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype), mm._int8(qtype)
         return [None, None, _labelled(
             lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
 
@@ -294,7 +293,7 @@ class CPUBackend(Backend):
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
         A, mm = ids.shape[1], self.mm
         # work items as the unfused glu_id and down_combine groups pick them
-        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg, A),
+        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg),
                  mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
         qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
         norms = (self.vector(norm.weight),) + self._norm_vectors([post])

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import numba
 import numpy as np
 import pytest
 from conftest import early
@@ -292,13 +291,6 @@ def test_item_rows(monkeypatch):
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 4000)
     assert matmul.item_rows(11, 360, 1) == 11                         # small: one item, no region
     assert matmul.item_rows(11, 360, 3) == matmul.ITEM_ROWS
-    # one token's 8 experts: the fewest items that still give every thread one
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1 << 40)
-    nt = numba.get_num_threads()
-    per_expert = -(-nt // 8)
-    assert matmul.item_rows(768, 1152, 1, None, 8) == 768 // per_expert
-    rows = -(-768 // nt)
-    assert matmul.item_rows(768, 1152, 1) == rows + rows % 2          # one matrix: nt items
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_1", "Q8_0"])

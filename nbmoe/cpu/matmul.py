@@ -219,22 +219,17 @@ def mul_mat_plain(out, w, x, qtype):
 # ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
 # ITEM_BYTES). Parallel over runs.
 
-def item_rows(M, row_bytes, n_tokens, qtype=None, n_mats=1):
+def item_rows(M, row_bytes, n_tokens, qtype=None):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items of n_mats matrices of M rows (one token's chosen experts) come in
-    whole rounds of the threads (repacked: whole groups), or all M rows below
-    SERIAL_MAX_BYTES (one item: mat_vec runs it on the calling thread). Few large items
-    rather than many: a thread's matrix-vector splits its rows into four streams only when
-    they are long enough (quants.STREAM_MIN_BYTES); 8 experts of 768 x 2048 on 16 threads
-    make 16 items of 384 rows, not 128 of 48."""
+    such that the items come in whole rounds of the threads (repacked: whole groups), or all
+    M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it on the calling thread)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
     if M * row_bytes < SERIAL_MAX_BYTES:
         return M                    # one item: mat_vec runs it without a parallel region
     nt = numba.get_num_threads()
-    per = -(-nt // max(1, n_mats))  # items per matrix for one round of the threads
-    n = (max(1, M * row_bytes // ITEM_BYTES) + per - 1) // per * per
+    n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
     return max(unit, (rows + unit - 1) // unit * unit)
 
@@ -422,7 +417,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     gemm = batched_int8(qtype)
     many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
-        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype, ids.shape[1])
+        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
         _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE)
         return
     T, X, K = x.shape
