@@ -119,9 +119,9 @@ def bench_type(name, a, bw, rng):
         x, out = rng.standard_normal((1, K), dtype=np.float32), np.empty((1, M), np.float32)
         for path, int8, q, ws in variants(qt, copies(w0, a.copy_mb), a.rtr):
             step = matmul.item_rows(M, w0.shape[1], 1, q)
-            matmul._mul_mat_vec(out, ws[0], x, q, int8, step)
+            matmul.mat_vec(out, ws[0], x, q, int8, step)
             err = check(out, w0, x, qt, 1.5e-2 if int8 else 1e-4)
-            t = walk_time(lambda i: matmul._mul_mat_vec(out, ws[i], x, q, int8, step), len(ws))
+            t = walk_time(lambda i: matmul.mat_vec(out, ws[i], x, q, int8, step), len(ws))  # as mul_mat_step
             gbs = ws[0].nbytes / t / 1e9
             rows.append(dict(type=name, test=f"mat-vec {M}x{K}", path=path,
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=2 * M * K / t / 1e9, rel_err=err))

@@ -237,7 +237,7 @@ def item_rows(M, row_bytes, n_tokens, qtype=None):
 # One parallel kernel for one weight and for fused.products' two or three (outs[j] = x @ W_j^T;
 # outs, ws tuples of 3, n_rows [3] the rows of each, 0 for an unused slot): each kernel that
 # holds the type dispatch (_dot_rows) costs ~20-30 s of LLVM at a cold start, so one weight
-# goes through this kernel too (mat_vec, _mul_mat_vec) rather than a twin of its own.
+# goes through this kernel too (mat_vec) rather than a twin of its own.
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _products(outs, ws, x, qtype, int8, step, n_rows):
@@ -262,14 +262,9 @@ def _one_weight(M):
     return rows
 
 
-def _mul_mat_vec(out, w, x, qtype, int8, step):
-    """out [T, M] = x @ dequant(w)^T in work items of `step` rows, in parallel."""
-    _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
-
-
 @njit(cache=True, error_model="numpy")
 def _mul_mat_vec_seq(out, w, x, qtype, int8):
-    """_mul_mat_vec as one work item on the calling thread."""
+    """mat_vec's product as one work item on the calling thread."""
     xsum, xi = _prepare_x(x, int8, qtype)
     for t in range(x.shape[0]):
         _dot_rows(qtype, out[t], w, x, t, xsum, xi, int8)
@@ -277,7 +272,8 @@ def _mul_mat_vec_seq(out, w, x, qtype, int8):
 
 @njit(cache=True, error_model="numpy")
 def mat_vec(out, w, x, qtype, int8, step):
-    """_mul_mat_vec; a weight that is one work item (item_rows) without a parallel region."""
+    """out [T, M] = x @ dequant(w)^T in work items of `step` rows, in parallel; a weight
+    that is one work item (item_rows) without a parallel region."""
     if step >= w.shape[0]:
         _mul_mat_vec_seq(out, w, x, qtype, int8)
     else:
