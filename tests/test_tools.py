@@ -1,6 +1,7 @@
 """The GGUF writers, read back with gguf-py's own GGUFReader: make_model, upcycle, default model."""
 import os
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
@@ -340,7 +341,11 @@ def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
     path = tiny_model("qwen3moe", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32,
                       n_ff=64, n_expert=4, n_expert_used=2, n_ff_exp=32,
                       types=[("exps", "Q4_0")], default_type="Q8_0")
-    got = bench_moe_cpu.main(["-m", path, "-t", "1", "-n", "2", "--read-mb", "16"])
+    threads = numba.get_num_threads()
+    try:
+        got = bench_moe_cpu.main(["-m", path, "-t", "1", "-n", "2", "--read-mb", "16"])
+    finally:
+        numba.set_num_threads(threads)   # the tool sets the process's count (later tests' items)
     experts = [t for t in GGUFReader(path).tensors if "_exps" in t.name]
     assert len(experts) == 6
     assert got["bytes_per_token"] == sum(int(t.n_bytes) for t in experts) * 2 // 4
