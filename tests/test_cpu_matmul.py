@@ -15,7 +15,6 @@ import sys
 import numpy as np
 import pytest
 from conftest import early
-from gguf import GGMLQuantizationType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -314,7 +313,7 @@ def test_mat_vec_on_one_thread(name, monkeypatch):
 # Four streams (quants.stream_rows) need runs of >= 4 * STREAM_MIN_BYTES: rows of 4096
 # values, enough of them for one item of four streams plus a tail (Q4_0: the masked last
 # row), for every type with an integer matrix-vector kernel.
-STREAM_TYPES = sorted(GGMLQuantizationType(t).name for t in INT8_TYPES)
+STREAM_TYPES = sorted(Q(t).name for t in INT8_TYPES)
 
 
 @pytest.mark.parametrize("name", STREAM_TYPES)

@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils
 
-from .quants import FM, lanes16, rows_in_streams, sum16
+from .quants import FM, rows_in_streams
 from .quants_iq import (IQ1_GRID, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ2S_GRID, IQ2XS_GRID,
                         IQ2XXS_GRID, IQ3_S, IQ3_XXS, IQ3S_GRID, IQ3XXS_GRID)
 from .simd import I8, I32, acc_intrinsic, const, vec

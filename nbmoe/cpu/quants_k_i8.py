@@ -20,7 +20,7 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, njit
 
-from .quants import FM, f32, lanes16, rows_in_streams, stack_f32, sum16
+from .quants import FM, f32, rows_in_streams, stack_f32
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .simd import F32, I8, I32, acc_intrinsic, const, vec
 
@@ -169,21 +169,6 @@ def sums16(xq, xd):
 @njit(inline="always")
 def superblock_bytes(qt):
     return 144 if qt == Q4_K else 210 if qt == Q6_K else 176 if qt == Q5_K else 110 if qt == Q3_K else 84
-
-
-@njit(inline="always")
-def acc_superblock(qt, acc, w, o, xq, xd, xs, b):
-    """acc += super-block b of the row at byte o of w (qt a constant: one branch is left)."""
-    if qt == Q4_K:
-        acc_q4_k(acc, w, o, xq, xd, xs, b)
-    elif qt == Q6_K:
-        acc_q6_k(acc, w, o, xq, xd, xs, b)
-    elif qt == Q5_K:
-        acc_q5_k(acc, w, o, xq, xd, xs, b)
-    elif qt == Q3_K:
-        acc_q3_k(acc, w, o, xq, xd, xs, b)
-    else:
-        acc_q2_k(acc, w, o, xq, xd, xs, b)
 
 
 @njit(inline="always")

@@ -431,7 +431,8 @@ def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
     B = w.shape[1] // size
     G = w.shape[0] // GROUP
     xbb = xb[xb.shape[0] - B:]
-    H, gb = stream_rows(G, GROUP * rb), GROUP * rb                # groups in four streams, as rows_in_streams
+    gb = GROUP * rb                                  # bytes of a group
+    H = stream_rows(G, gb)                           # groups in four streams, as rows_in_streams
     for g in range(H):
         a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         for b in range(B):

@@ -246,7 +246,8 @@ def dot_rows_q4_k_r16(out, w, xq, xd, xs, xb, xk):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x; xk from prepare_xk."""
     rb = w.strides[0]
     SB, G = w.shape[1] // SIZE, w.shape[0] // GROUP
-    H, gb = stream_rows(G, GROUP * rb), GROUP * rb                # groups in four streams, as rows_in_streams
+    gb = GROUP * rb                                  # bytes of a group
+    H = stream_rows(G, gb)                           # groups in four streams, as rows_in_streams
     for g in range(H):
         a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         for b in range(SB):

@@ -214,7 +214,8 @@ def dot_rows_iq4_xs_r16(out, w, xq, xd, xs, xb, xk):
     rb = w.strides[0]
     SB, G = w.shape[1] // SIZE, w.shape[0] // GROUP
     xbb = xb[xb.shape[0] - 8 * SB:]
-    H, gb = stream_rows(G, GROUP * rb), GROUP * rb                # groups in four streams, as rows_in_streams
+    gb = GROUP * rb                                  # bytes of a group
+    H = stream_rows(G, gb)                           # groups in four streams, as rows_in_streams
     for g in range(H):
         a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
         for b in range(SB):
