@@ -32,7 +32,7 @@ Error vs float x: about 0.5-1% of the largest output (the 8-bit x), as in llama.
 
 Q4_0 on CPUs with AVX-512 BW takes quants_q4x instead (the row read as it lies, x laid out
 under it: ~25-30% less compute); its block kernel here stays for the others. The 4-bit table
-types (quants_iq4) also read x rearranged: prepare_blocks makes each
+types (quants_iq4) and Q4_K (quants_k_i8) also read x rearranged: prepare_blocks makes each
 type's x extras once per call (x_extra_words sizes them).
 
 Adding a 32-value block type = its unpack in _emit_blocks, block_bytes / lane_bias entries,
@@ -48,6 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
+from .quants_k import Q4_K
 from .simd import PREFETCH, prefetch_lines
 from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, stream_rows,
                      sum16)
@@ -244,6 +245,8 @@ def x_extra_words(qt, K):
         return quants_q4x.REC * quants_q4x.steps(K // 32 * 18) // 4
     if qt in IQ4_TYPES:
         return K // 8 + K // 4               # quants_iq4.prepare_quads
+    if qt == Q4_K:
+        return K // 4                        # quants_k_i8.prepare_q4_k
     return K // 4 if lane_bias(qt) else 0
 
 
@@ -253,7 +256,8 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
     bias of the stored codes (Q4_0: 8, Q8_0: 128), where xb is longer followed by [B] block
     biases -bias * (sum of xq over the block) (quants_rtr); for Q4_0 with quants_q4x, the
     record of quants_q4x instead of the lane biases; xds [2B] = (xd, xs) pairs (Q4_1); for
-    IQ4_NL / IQ4_XS / MXFP4 quants_iq4.prepare_quads' record."""
+    IQ4_NL / IQ4_XS / MXFP4 quants_iq4.prepare_quads' record; for Q4_K x in its code order
+    (quants_k_i8.prepare_q4_k)."""
     if lane_bias(qtype):
         bias = np.int32(lane_bias(qtype))
         K, B = xq.shape[0], xd.shape[0]
@@ -274,6 +278,8 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
             xds[2 * b], xds[2 * b + 1] = xd[b], xs[b]
     elif qtype in IQ4_TYPES:
         quants_iq4.prepare_quads(xb, xq, np.int32(quants_iq4.quad_bias(qtype)))
+    elif qtype == Q4_K:
+        quants_k_i8.prepare_q4_k(xb[:xq.shape[0] // 4].view(np.int8), xq)
 
 
 # ---------------------------------------------------------------- dot_rows per type
@@ -368,7 +374,7 @@ def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
     elif qtype == Q5_1:
         dot_rows_q5_1(out, w, xq, xd, xb, xds)
     elif qtype in K_TYPES:
-        quants_k_i8.dot_rows_k_i8(qtype, out, w, xq, xd, xs)
+        quants_k_i8.dot_rows_k_i8(qtype, out, w, xq, xd, xs, xb)
     elif qtype in IQ4_TYPES:
         quants_iq4.dot_rows_iq4_i8(qtype, out, w, xq, xd, xs, xb)
     elif qtype in IQ_TYPES:

@@ -23,13 +23,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import MXFP4 as _MXFP4
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from .quants import FM, block32, f32, lanes16, load_f16, rows_in_streams, sum16, u8, u32
 
 u64 = np.uint64
-from .simd import F32, I32, acc_intrinsic, const, vec
+from .simd import F32, I32, acc_intrinsic, const, copy16, vec
 
 IQ4_NL = int(GGMLQuantizationType.IQ4_NL)
 IQ4_XS = int(GGMLQuantizationType.IQ4_XS)
@@ -258,18 +257,6 @@ def _iq4_xs_quad(e):
 acc_iq4_nl_quad = acc_intrinsic(_blocks32_quad(18, 2, _nl_scales, _IQ4_U8), 128, 16, 72)
 acc_mxfp4_quad = acc_intrinsic(_blocks32_quad(17, 1, _mx_scales, _MXFP4_U8), 128, 16, 68)
 acc_iq4_xs_quad = acc_intrinsic(_iq4_xs_quad, 256, 32, 136)
-
-
-@intrinsic
-def copy16(typingctx, dst, i, src, j):
-    """dst[i:i + 16] = src[j:j + 16] (1-byte items) as one 16-byte move (a loop stays a byte
-    at a time: LLVM cannot rule out that dst and src overlap)."""
-    def codegen(context, b, sig, args):
-        ptr = [b.gep(context.make_array(sig.args[k])(context, b, args[k]).data, [args[k + 1]]) for k in (0, 2)]
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        b.store(b.load(b.bitcast(ptr[1], v16.as_pointer()), align=1), b.bitcast(ptr[0], v16.as_pointer()), align=1)
-        return context.get_dummy_value()
-    return types.void(dst, i, src, j), codegen
 
 
 @njit(inline="always")

@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 from .quants import FM, lanes16, stream_rows, sum16
 
 u64 = np.uint64
-from .simd import HAS_VNNI, PREFETCH, prefetch_lines
+from .simd import HAS_VNNI, PREFETCH, copy16, prefetch_lines
 
 _FEATURES = llb.get_host_cpu_features()
 # vpermi2w is AVX-512 BW; without VNNI the integer dots are off for plain Q4_0 anyway
@@ -68,19 +68,6 @@ def steps(row_bytes):
 
 
 # ---------------------------------------------------------------- x record (per call)
-
-@intrinsic
-def copy16(typingctx, dst, i, src, j):
-    """dst[i:i + 16] = src[j:j + 16] (1-byte items) as one 16-byte move: the loop version
-    stays a byte at a time (LLVM cannot rule out that dst and src overlap)."""
-    def codegen(context, b, sig, args):
-        ptr = [b.gep(context.make_array(sig.args[k])(context, b, args[k]).data, [args[k + 1]]) for k in (0, 2)]
-        v16 = ir.VectorType(_I8, 16)
-        v = b.load(b.bitcast(ptr[1], v16.as_pointer()), align=1)
-        b.store(v, b.bitcast(ptr[0], v16.as_pointer()), align=1)
-        return context.get_dummy_value()
-    return types.void(dst, i, src, j), codegen
-
 
 @njit(cache=True, error_model="numpy")
 def prepare_q4x(xr, xq, xd, row_bytes):

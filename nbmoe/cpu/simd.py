@@ -17,7 +17,8 @@ widen-multiply-add IR (same results, slower). lut (a 16-entry byte table lookup)
 With a block's byte count, acc_intrinsic also prefetches the bytes PREFETCH further on: the
 largest single gain measured (matrix-vector 0.45-0.5 -> 0.8-0.9 of streaming read).
 What bounds these kernels in cache: the 512-bit ports (p0, p5: ~2 vector ops per cycle), so
-each op saved per 64 values counts; Q4_K is ~54 instructions per 256 values, 6.2 ns on EMR.
+each op saved per 64 values counts; Q4_K is ~50 instructions per 256 values (57 before its
+x was rearranged to the codes' order, quants_k_i8).
 """
 import os
 
@@ -88,6 +89,19 @@ def group_record(b, w, o, sb, size, prefetch=False):
         prefetch_lines(b, [b.gep(rec, [ir.Constant(I64, off)])
                            for off in range(PREFETCH, PREFETCH + size, 64)])
     return rec
+
+
+@intrinsic
+def copy16(typingctx, dst, i, src, j):
+    """dst[i:i + 16] = src[j:j + 16] (1-byte items) as one 16-byte move: the loop version
+    stays a byte at a time (LLVM cannot rule out that dst and src overlap). For the per-call
+    x rearrangements (quants_q4x, quants_iq4, quants_k_i8)."""
+    def codegen(context, b, sig, args):
+        ptr = [b.gep(arg_data(context, b, sig, args, k), [args[k + 1]]) for k in (0, 2)]
+        v16 = vec(I8, 16)
+        b.store(b.load(b.bitcast(ptr[1], v16.as_pointer()), align=1), b.bitcast(ptr[0], v16.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.void(dst, i, src, j), codegen
 
 
 def x_word16(b, x, off):
@@ -275,7 +289,16 @@ class Emit:
         """acc[0:len(idx)] += float(dot(codes, x)) * scales[idx] (a per-lane scale)."""
         self.add(self.mul(self.tofloat(self.dot(codes, x)), self.pick(scales, idx)))
 
-    def finish(self):
+    def finish(self, chain=False):
+        """acc += the block's terms: as a tree (one add on the loop-carried chain), or with
+        chain, added one by one (each product an FMA into acc: fewer ops, a longer chain; pays
+        where several rows run side by side, quants.rows_in_streams)."""
+        if chain:
+            acc = self.b.load(self._acc, align=4)
+            for v in self.terms:
+                acc = self.b.fadd(acc, v, flags=("contract",))
+            self.b.store(acc, self._acc, align=4)
+            return
         t = self.terms
         while len(t) > 1:  # products pair up into FMAs (contract)
             pairs = [self.b.fadd(t[i], t[i + 1], flags=("contract",)) for i in range(0, len(t) - 1, 2)]
@@ -284,16 +307,17 @@ class Emit:
         self.b.store(self.b.fadd(acc, t[0], flags=("contract",)), self._acc, align=4)
 
 
-def acc_intrinsic(body, values, xs_per, size=0):
+def acc_intrinsic(body, values, xs_per, size=0, chain=False):
     """The intrinsic acc_block(acc, row, o, xq, xd, xs, b) running body(Emit) (see the top) on
-    `size` bytes of the row, after prefetching the bytes PREFETCH further on (size 0: none)."""
+    `size` bytes of the row, after prefetching the bytes PREFETCH further on (size 0: none);
+    chain: Emit.finish's one-by-one sum."""
     @intrinsic
     def acc_block(typingctx, acc, row, o, xq, xd, xs, b):
         def codegen(context, builder, sig, args):
             e = Emit(context, builder, sig, args, values, xs_per)
             e.prefetch(PREFETCH, size)
             body(e)
-            e.finish()
+            e.finish(chain)
             return context.get_dummy_value()
         return types.void(acc, row, o, xq, xd, xs, b), codegen
     return acc_block
