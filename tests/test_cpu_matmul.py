@@ -280,6 +280,18 @@ def test_q4x_rows(K):
     assert max_rel(out, ref_dequant(w, "Q4_0", K) @ x_rounded(x)) < RTOL
 
 
+def test_prepare_q4_k_order():
+    """Q4_K's x in its code order (quants_k_i8's top): per 128 values the 32-value pieces
+    0, 2, 1, 3, i.e. under qs bytes 64p.. first the low nibbles' values, then the high ones'."""
+    K = 512
+    xq = np.arange(K, dtype=np.int64).astype(np.int8)            # value i -> code i mod 256
+    xb = np.zeros(x_extra_words(int(Q.Q4_K), K), np.int32)
+    prepare_blocks(xb, np.empty(0, np.float32), xq, np.ones(K // 32, np.float32), np.ones(K // 32, np.float32),
+                   int(Q.Q4_K))
+    order = np.concatenate([128 * h + np.r_[0:32, 64:96, 32:64, 96:128] for h in range(K // 128)])
+    assert np.array_equal(xb.view(np.int8)[:K], xq[order])
+
+
 def test_item_rows(monkeypatch):
     monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
