@@ -349,6 +349,37 @@ def test_mat_vec_streams(name, monkeypatch):
     assert max_rel(out, x_rounded(x) @ ref_dequant(w, name, K).T) < RTOL
 
 
+@pytest.mark.parametrize("name", ["IQ4_NL", "MXFP4"])
+def test_quads_without_vbmi(name):
+    """The 4-block quads of IQ4_NL / MXFP4 gather their codes and scales with byte permutes
+    where the CPU has AVX-512 VBMI; the body for the others (four 16-byte loads, the scales one
+    at a time) is built here as its own intrinsic, so both run on a VBMI machine. K = 768:
+    6 quads a row; M = 5 (one row alone after the stream loop's none)."""
+    import ref_quant
+    from numba import njit
+    from nbmoe.cpu import quants_iq4 as q
+    from nbmoe.cpu.quants import FM, rows_in_streams
+    from nbmoe.cpu.simd import acc_intrinsic
+    size, qs_at, scales, table = ((17, 1, q._mx_scales, q._MXFP4_U8) if name == "MXFP4"
+                                  else (18, 2, q._nl_scales, q._IQ4_U8))
+    acc = acc_intrinsic(q._blocks32_quad(size, qs_at, scales, table, vbmi=False), 128, 16, 4 * size)
+
+    @njit(fastmath=FM)
+    def dot_rows(out, w, xb, xd):
+        xq4, xl = q.quads(xb, w.shape[1] // size * 32)
+        rows_in_streams(acc, 4 * size, w.shape[1] // size // 4, out, w, xq4, xd, xl)
+    M, K, qt = 5, 768, int(Q[name])
+    w = np.ascontiguousarray(ref_quant.random_blocks(np.random.default_rng(31), M * K // 32, name).reshape(M, -1))
+    x = rnd(K, seed=32)
+    xq, xd, xs = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 32, np.float32)
+    quantize_x(xq, xd, xs, x)
+    xb = np.empty(x_extra_words(qt, K), np.int32)
+    prepare_blocks(xb, np.empty(0, np.float32), xq, xd, xs, qt)
+    out = np.full(M, np.nan, np.float32)
+    dot_rows(out, w, xb, xd)
+    assert max_rel(out, ref_dequant(w, name, K) @ x_rounded(x[None])[0]) < RTOL
+
+
 # ---------------------------------------------------------------- repacked layouts (-rtr)
 # quants_rtr: groups of 16 interleaved rows; M = 37 is 2 groups and a 5-row tail in the GGUF
 # layout; K = 224 is 7 blocks (odd: qs vectors not 64-byte aligned); IQ4_NL, MXFP4 and Q4_K

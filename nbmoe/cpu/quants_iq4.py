@@ -28,7 +28,7 @@ from numba import njit
 from .quants import FM, block32, f32, lanes16, load_f16, rows_in_streams, sum16, u8, u32
 
 u64 = np.uint64
-from .simd import F32, I32, acc_intrinsic, const, copy16, vec
+from .simd import F32, HAS_VBMI, I16, I32, acc_intrinsic, const, copy16, vec
 
 IQ4_NL = int(GGMLQuantizationType.IQ4_NL)
 IQ4_XS = int(GGMLQuantizationType.IQ4_XS)
@@ -154,66 +154,46 @@ _IQ4_U8 = [v + 128 for v in _IQ4_NL.kvalues]
 _MXFP4_U8 = [v + 12 for v in _MXFP4.kvalues]
 
 
-def _nl_scales(e, size, n):
-    """<n x float>: the f16 d of n IQ4_NL blocks."""
-    h = e.pack(*[e.word(i * size, 16) for i in range(n)])
+def _nl_scales(e, size, n, head=None):
+    """<n x float>: the f16 d of n IQ4_NL blocks (picked out of head, the first 64 bytes of
+    the blocks, where given)."""
+    if head is None:
+        h = e.pack(*[e.word(i * size, 16) for i in range(n)])
+    else:
+        h = e.pick(e.b.bitcast(head, vec(I16, 32)), [i * size // 2 for i in range(n)])
     return e.b.fpext(e.b.bitcast(h, vec(ir.HalfType(), n)), vec(F32, n))
 
 
-def _mx_scales(e, size, n):
-    """<n x float>: e8m0_half of the exponent bytes of n MXFP4 blocks."""
+def _mx_scales(e, size, n, head=None):
+    """<n x float>: e8m0_half of the exponent bytes of n MXFP4 blocks (as _nl_scales)."""
     b = e.b
-    x = b.zext(e.pack(*[e.word(i * size, 8) for i in range(n)]), vec(I32, n))
+    x = e.pack(*[e.word(i * size, 8) for i in range(n)]) if head is None else e.pick(head, [i * size for i in range(n)])
+    x = b.zext(x, vec(I32, n))
     small = b.shl(const(I32, [0x00200000] * n), x)
     big = b.shl(b.sub(x, const(I32, [1] * n)), const(I32, [23] * n))
     return b.bitcast(b.select(b.icmp_unsigned("<", x, const(I32, [2] * n)), small, big), vec(F32, n))
 
 
-def _blocks32(size, qs_at, scales, table, bias, n):
-    """Body for n (1 or 4) consecutive 32-value blocks of `size` bytes, qs at qs_at."""
+def _block32(size, qs_at, scales, table, bias):
+    """Body for one 32-value block of `size` bytes, qs at qs_at: a row's last 1-3 blocks
+    after its quads (below). The 16 code bytes go in twice (a 256-bit dot against x in its
+    own order), shifted per 16-bit lane to their low and high nibbles."""
     def body(e):
-        d = scales(e, size, n)
-        e.add(e.mul(d, e.xs(n), e.fconst(-bias, n)))
-        s = e.mul(d, e.xd(n))
-        for j in range(0, n, 2):
-            pair = j + 1 < n                          # blocks j, j + 1: one 512-bit dot
-            qa = e.bytes(j * size + qs_at, 16)
-            qb = e.bytes((j + 1) * size + qs_at, 16) if pair else qa
-            q = e.b.shuffle_vector(qa, qb, const(I32, [*range(16), *range(16), *range(16, 32), *range(16, 32)]
-                                                 if pair else [*range(16), *range(16)]))
-            codes = e.band(e.shr16(q, ([0] * 8 + [4] * 8) * (2 if pair else 1)), 15)
-            e.acc_dot(e.lut(table, codes), e.xq(32 * j, 64 if pair else 32), s,
-                      [j] * 8 + [j + 1] * 8 if pair else [j] * 8)
+        d = scales(e, size, 1)
+        e.add(e.mul(d, e.xs(1), e.fconst(-bias, 1)))
+        q = e.bytes(qs_at, 16)
+        codes = e.band(e.shr16(e.cat(q, q), [0] * 8 + [4] * 8), 15)
+        e.acc_dot(e.lut(table, codes), e.xq(0, 32), e.mul(d, e.xd(1)), [0] * 8)
     return body
 
 
-acc_iq4_nl4 = acc_intrinsic(_blocks32(18, 2, _nl_scales, _IQ4_U8, 128, 4), 32, 1, 72)
-acc_iq4_nl1 = acc_intrinsic(_blocks32(18, 2, _nl_scales, _IQ4_U8, 128, 1), 32, 1, 18)
-acc_mxfp44 = acc_intrinsic(_blocks32(17, 1, _mx_scales, _MXFP4_U8, 12, 4), 32, 1, 68)
-acc_mxfp41 = acc_intrinsic(_blocks32(17, 1, _mx_scales, _MXFP4_U8, 12, 1), 32, 1, 17)
-
-
-def _iq4_xs(e):
-    b = e.b
-    lo = b.lshr(e.splat(e.word(4), 8), const(I32, range(0, 32, 4)))
-    hi = b.lshr(e.splat(b.zext(e.word(2, 16), I32), 8), const(I32, range(0, 16, 2)))
-    ls = b.or_(e.band(lo, 15), e.shl(e.band(hi, 3), 4))
-    ds = e.mul(e.splat(e.f16(0), 8), b.fsub(e.tofloat(ls), e.fconst(32, 8)))
-    e.add(e.mul(ds, e.xs(8), e.fconst(-128, 8)))
-    s = e.mul(ds, e.xd(8))
-    for k in range(4):                                # sub-blocks 2k, 2k + 1: 16 bytes each
-        q = e.bytes(8 + 32 * k, 32)
-        q = b.shuffle_vector(q, q, const(I32, [*range(16), *range(16), *range(16, 32), *range(16, 32)]))
-        codes = e.band(e.shr16(q, ([0] * 8 + [4] * 8) * 2), 15)
-        e.acc_dot(e.lut(_IQ4_U8, codes), e.xq(64 * k), s, [2 * k] * 8 + [2 * k + 1] * 8)
-
-
-acc_iq4_xs = acc_intrinsic(_iq4_xs, 256, 8, 136)
+acc_iq4_nl1 = acc_intrinsic(_block32(18, 2, _nl_scales, _IQ4_U8, 128), 32, 1, 18)
+acc_mxfp41 = acc_intrinsic(_block32(17, 1, _mx_scales, _MXFP4_U8, 12), 32, 1, 17)
 
 
 # ---------------------------------------------------------------- integer dots, 4 blocks per vector
-# The bodies above gather each block's 16 code bytes twice into a 512-bit register (broadcast,
-# insert, shift per 16-bit lane) to meet x in its natural order. Here one register holds the
+# Gathering each block's 16 code bytes twice into a register (broadcast, insert, shift per
+# 16-bit lane, as _block32) to meet x in its natural order costs. Here one register holds the
 # code bytes of 4 blocks (IQ4_XS: 4 sub-blocks, one 64-byte load; the 32-value types: 4 pieces),
 # and x is rearranged once per call (prepare_quads) to meet them:
 #   codes  [qs_0 | qs_1 | qs_2 | qs_3]  (16 bytes each: byte i = values i (low), 16 + i (high))
@@ -235,11 +215,25 @@ def _quad4(e, i):
     return [4 * i + j // 4 for j in range(16)]
 
 
-def _blocks32_quad(size, qs_at, scales, table):
+def _quad_bytes(e, size, qs_at, vbmi):
+    """(<64 x i8> the 16 code bytes of 4 consecutive blocks side by side, the blocks' first 64
+    bytes or None). With AVX-512 VBMI two 64-byte loads (bytes 0.. and 4 size - 64..) and one
+    two-source byte permute (vpermt2b) gather the codes, and the scales come out of the first
+    load by one more permute: 30 -> 23 instructions a quad (MXFP4). Without it: four 16-byte
+    loads put together, the scales one byte / word at a time."""
+    if not vbmi:
+        return e.cat(*[e.bytes(j * size + qs_at, 16) for j in range(4)]), None
+    tail = 4 * size - 64                              # block 3's codes lie past byte 64
+    idx = [j * size + qs_at + i if j < 3 else 64 + 3 * size + qs_at + i - tail for j in range(4) for i in range(16)]
+    head = e.bytes(0, 64)
+    return e.b.shuffle_vector(head, e.bytes(tail, 64), const(I32, idx)), head
+
+
+def _blocks32_quad(size, qs_at, scales, table, vbmi=HAS_VBMI):
     """Body for 4 consecutive 32-value blocks of `size` bytes, qs at qs_at (xq4 layout)."""
     def body(e):
-        s = e.mul(scales(e, size, 4), e.xd(4))
-        q = e.cat(*[e.bytes(j * size + qs_at, 16) for j in range(4)])
+        q, head = _quad_bytes(e, size, qs_at, vbmi)
+        s = e.mul(scales(e, size, 4, head), e.xd(4))
         _quad(e, q, table, 0, e.pick(s, _quad4(e, 0)))
     return body
 

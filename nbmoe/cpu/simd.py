@@ -32,6 +32,9 @@ _FEATURES = llb.get_host_cpu_features()
 # NBMOE_NO_VNNI=1 forces the generic dot, as in quants_int8 (with its own NUMBA_CACHE_DIR).
 HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and not os.environ.get("NBMOE_NO_VNNI")
 HAS_AVX512BW = bool(_FEATURES.get("avx512bw"))
+# Byte permutes across a whole 512-bit register (vpermb / vpermt2b): the 4-bit table types'
+# quads gather their blocks with them (quants_iq4).
+HAS_VBMI = bool(_FEATURES.get("avx512vbmi")) and HAS_AVX512BW
 HAS_AVX2 = bool(_FEATURES.get("avx2"))
 # Bytes ahead of the block being decoded whose cache lines each block prefetches (0: none).
 # Matrix-vector, 2 threads, Emerald Rapids, fraction of streaming read: 0.44-0.51 without,
