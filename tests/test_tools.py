@@ -351,3 +351,13 @@ def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
     assert got["bytes_per_token"] == sum(int(t.n_bytes) for t in experts) * 2 // 4
     assert got["glu_s"] > 0 and got["down_s"] > 0 and got["read_gbs"] > 0
     assert "of the read" in capsys.readouterr().out
+
+
+def test_read_buffer_outsizes_the_cache():
+    """The streaming read's buffer: four last-level caches, at least 1 GiB, at most 1/8 of RAM."""
+    import os
+    from nbmoe.cpu import membw
+    llc, n = membw.last_level_cache_bytes(), membw.default_read_bytes()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert llc >= 0 and n <= max(ram // 8, 1 << 28)
+    assert n >= min(max(1 << 30, 4 * llc), ram // 8)

@@ -61,7 +61,7 @@ def walk_time(fn, n, reps=None):
 
 
 def stream_bandwidth():
-    return read_bandwidth(1 << 30)
+    return read_bandwidth()
 
 
 def weights(rng, qtype, M, K):

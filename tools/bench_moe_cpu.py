@@ -43,7 +43,7 @@ def main(argv=None):
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
     ap.add_argument("-n", "--tokens", type=int, default=16, help="tokens timed (after 2 warm)")
-    ap.add_argument("--read-mb", type=int, default=1024, help="buffer of the streaming read")
+    ap.add_argument("--read-mb", type=int, default=0, help="buffer of the streaming read (0: membw.default_read_bytes)")
     a = ap.parse_args(argv)
     numba.set_num_threads(a.threads)
     lay, A = layers(a.model)
