@@ -60,10 +60,6 @@ def walk_time(fn, n, reps=None):
     return best
 
 
-def stream_bandwidth():
-    return read_bandwidth()
-
-
 def weights(rng, qtype, M, K):
     """Quantized random weights; random bytes below 64 (finite f16 scales) for the types gguf-py
     cannot quantize. Read-only, as the mmap'd GGUF views are."""
@@ -182,7 +178,7 @@ def main(argv=None):
     console = Console(stderr=True)
     for name in a.types.split(","):
         with console.status(f"{name}"):
-            bws.append(stream_bandwidth())
+            bws.append(read_bandwidth())
             rows += bench_type(name.strip(), a, bws[-1], rng)
     bw = max(bws)
     for r in rows:

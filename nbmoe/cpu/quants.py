@@ -155,6 +155,29 @@ def store_lanes(out, r, acc):
 
 
 @njit(inline="always")
+def groups_in_streams(acc_unit, n, out, w, G, xargs):
+    """out [16 G] <- the lanes of G repacked groups of 16 rows (group g at byte 16 g of w's rows),
+    each after acc_unit(acc, w, o, *xargs, i) for its n units i (the intrinsic finds unit i
+    of the group at byte o); groups in four streams, as rows_in_streams."""
+    gb = 16 * w.strides[0]                           # bytes of a group
+    H = stream_rows(G, gb)
+    for g in range(H):
+        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
+        for i in range(n):
+            acc_unit(a0, w, g * gb, *xargs, i)
+            acc_unit(a1, w, (g + H) * gb, *xargs, i)
+            acc_unit(a2, w, (g + 2 * H) * gb, *xargs, i)
+            acc_unit(a3, w, (g + 3 * H) * gb, *xargs, i)
+        for k, a in enumerate((a0, a1, a2, a3)):
+            store_lanes(out, (g + k * H) * 16, a)
+    for g in range(4 * H, G):
+        acc = lanes16()
+        for i in range(n):
+            acc_unit(acc, w, g * gb, *xargs, i)
+        store_lanes(out, g * 16, acc)
+
+
+@njit(inline="always")
 def block32():
     """32 float32 on the caller's stack: a decoded block, so that all loads of a block's
     bytes come before the stores to the output (which LLVM cannot prove are elsewhere)."""

@@ -47,7 +47,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .quants import FM, block32, f32, lanes16, load_f16, load_u32, store_lanes, stream_rows, u8
+from .quants import FM, block32, f32, groups_in_streams, load_f16, load_u32, u8
 from .quants_int8 import _dot4_init, dot_rows_i8
 from .quants_k import Q4_K, dequant_rows_q4_k, k_scale_min
 from .simd import F32, I8, I32, I64, arg_data, const, group_record, load_at, splat, vec, x_word16
@@ -244,23 +244,7 @@ def acc_record(typingctx, acc, w, o, xq, xk, sb):
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def dot_rows_q4_k_r16(out, w, xq, xd, xs, xb, xk):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x; xk from prepare_xk."""
-    rb = w.strides[0]
     SB, G = w.shape[1] // SIZE, w.shape[0] // GROUP
-    gb = GROUP * rb                                  # bytes of a group
-    H = stream_rows(G, gb)                           # groups in four streams, as rows_in_streams
-    for g in range(H):
-        a0, a1, a2, a3 = lanes16(), lanes16(), lanes16(), lanes16()
-        for b in range(SB):
-            acc_record(a0, w, g * gb, xq, xk, b)
-            acc_record(a1, w, (g + H) * gb, xq, xk, b)
-            acc_record(a2, w, (g + 2 * H) * gb, xq, xk, b)
-            acc_record(a3, w, (g + 3 * H) * gb, xq, xk, b)
-        for i, a in enumerate((a0, a1, a2, a3)):
-            store_lanes(out, (g + i * H) * GROUP, a)
-    for g in range(4 * H, G):
-        acc = lanes16()
-        for b in range(SB):
-            acc_record(acc, w, g * gb, xq, xk, b)
-        store_lanes(out, g * GROUP, acc)
+    groups_in_streams(acc_record, SB, out, w, G, (xq, xk))   # groups of GROUP = 16 rows
     if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout (run-time qt: see quants_rtr)
         dot_rows_i8(np.int64(Q4_K), out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xk)
