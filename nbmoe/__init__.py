@@ -18,7 +18,8 @@ def _kernel_cache_dir():
     source and those flags: any change starts a fresh one."""
     here = os.path.dirname(__file__)
     h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} "
-                     f"novnni={os.environ.get('NBMOE_NO_VNNI', '')}".encode())
+                     f"novnni={os.environ.get('NBMOE_NO_VNNI', '')} "
+                     f"prefetch={os.environ.get('NBMOE_PREFETCH', '')}".encode())
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))):
         with open(path, "rb") as f:
             h.update(f.read())

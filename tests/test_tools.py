@@ -361,3 +361,20 @@ def test_read_buffer_outsizes_the_cache():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert llc >= 0 and n <= max(ram // 8, 1 << 28)
     assert n >= min(max(1 << 30, 4 * llc), ram // 8)
+
+
+def test_prefetch_distance_is_in_the_kernel_cache_key(monkeypatch):
+    """NBMOE_PREFETCH changes compiled code, so it must name another kernel cache; a value
+    that is not a byte count is a one-line error."""
+    import subprocess
+    import sys
+
+    import nbmoe
+    monkeypatch.delenv("NBMOE_PREFETCH", raising=False)
+    default = nbmoe._kernel_cache_dir()
+    monkeypatch.setenv("NBMOE_PREFETCH", "2048")
+    assert nbmoe._kernel_cache_dir() != default
+    bad = subprocess.run([sys.executable, "-c", "import nbmoe.cpu.simd"], capture_output=True, text=True,
+                         env={**os.environ, "NBMOE_PREFETCH": "4k"})
+    assert bad.returncode != 0
+    assert bad.stderr.strip() == "error: NBMOE_PREFETCH='4k': want a byte count (0: no prefetches)"

@@ -38,10 +38,21 @@ HAS_VBMI = bool(_FEATURES.get("avx512vbmi")) and HAS_AVX512BW
 HAS_AVX2 = bool(_FEATURES.get("avx2"))
 # Bytes ahead of the block being decoded whose cache lines each block prefetches (0: none).
 # Matrix-vector, 2 threads, Emerald Rapids, fraction of streaming read: 0.44-0.51 without,
-# 0.6 at 512, 0.7 at 1024, 0.8 at 2048, 0.85-0.9 at 4096 (Q4_K, Q6_K, IQ4_XS, MXFP4): the
-# hardware prefetchers alone leave the decode waiting on memory. A compile-time constant (the
-# kernel cache key in nbmoe/__init__.py hashes the sources, not the environment).
-PREFETCH = 4096
+# 0.6 at 512, 0.7 at 1024, 0.8 at 2048, 0.85-0.9 at 4096 (Q4_K, Q6_K, IQ4_XS, MXFP4, one
+# stream a thread): the hardware prefetchers alone leave the decode waiting on memory. With
+# four streams a thread (quants.rows_in_streams) 3072 reads ~5% faster than 4096 (Q4_K, both
+# shapes, in one process, alternated; session 15). A compile-time constant: NBMOE_PREFETCH
+# overrides it for experiments (the kernel cache key in nbmoe/__init__.py includes it).
+
+
+def _prefetch_bytes(default=3072):
+    text = os.environ.get("NBMOE_PREFETCH", str(default))
+    if not text.isdigit():
+        raise SystemExit(f"error: NBMOE_PREFETCH={text!r}: want a byte count (0: no prefetches)")
+    return int(text)
+
+
+PREFETCH = _prefetch_bytes()
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
                               ir.IntType(64), ir.FloatType())
