@@ -7,8 +7,10 @@ the same type's kernel called directly, 4096x4096, the two alternated in one pro
 Session 15 found Q4_K 7-12% slower through dot_rows_i8 once the kernels come from Numba's disk
 cache (the same machine code, bit-identical results, a steady ~30 us more per call, equal speed
 with the weights in cache), and equal when the dispatcher compiled in the same process; Q4_1,
-Q6_K, MXFP4 and Q8_0 equal or within 3%. Unexplained: this reproduces it for whoever takes it up.
-The drivers here are compiled in each run (no cache=True); only what they call is cached.
+Q6_K, MXFP4 and Q8_0 equal or within 3%. The drivers here are compiled in each run (no
+cache=True); with `direct` cached too, it ran as slowly as the dispatcher from the cache: the
+penalty follows code loaded from the cache, not the dispatcher. Unexplained: this reproduces it
+for whoever takes it up.
 """
 import argparse
 import sys
