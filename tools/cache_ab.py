@@ -24,7 +24,7 @@ from numba import njit, prange
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
 from nbmoe.cpu import matmul, quants_iq4, quants_k_i8
 from nbmoe.cpu import quants_int8 as qi
-from nbmoe.cpu.membw import _sum_chunks
+from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import Q4_1, Q8_0
 from nbmoe.cpu.quants_iq4 import MXFP4
 from nbmoe.cpu.quants_k import Q4_K, Q6_K
@@ -63,15 +63,6 @@ def direct(out, w, xq, xd, xs, xb, xds, step, qt):
         _kernel(qt, out[r0:r1], w[r0:r1], xq, xd, xs, xb, xds)
 
 
-def read_gbs(buf):
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _sum_chunks(buf, 256)
-        best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best / 1e9
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", default="Q4_K,Q6_K,MXFP4,Q8_0,Q4_1")
@@ -98,11 +89,9 @@ def main(argv=None):
         walk(through_dispatcher)
         walk(direct)
         cases.append((name, walk))
-    buf = np.ones(1 << 28, np.float32)
-    read_gbs(buf)
     bws, res = [], {}
     for r in range(a.rounds):
-        bws.append(read_gbs(buf))
+        bws.append(read_bandwidth(1 << 30, 3))
         for name, walk in cases:
             for label, fn in (("dispatcher", through_dispatcher), ("direct", direct))[::1 if r % 2 else -1]:
                 res.setdefault((name, label), []).append(walk(fn))

@@ -25,7 +25,8 @@ def main(argv=None):
     ap.add_argument("--zce", default="0,1,2,3,4,auto", help="GPU shares to compare (comma list)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens a round")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--read-mb", type=int, default=0, help="buffer of the streaming-read measurement (0: membw.default_read_bytes)")
+    ap.add_argument("--read-mb", type=int, default=0,
+                    help="buffer of the streaming-read measurement (0: membw.default_read_bytes)")
     add_placement_args(ap)
     a = ap.parse_args(argv)
     values = [v if v == "auto" else int(v) for v in a.zce.split(",")]
