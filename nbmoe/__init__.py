@@ -30,6 +30,10 @@ def _kernel_cache_dir():
 if "NUMBA_CACHE_DIR" not in os.environ:
     numba.config.CACHE_DIR = _kernel_cache_dir()
 
+from .cpu import load_order  # noqa: E402
+
+load_order.record()     # which kernels compile, for load_order.preload in later processes
+
 from .errors import NbmoeError  # noqa: E402
 
 __all__ = ["LLM", "load", "NbmoeError"]

@@ -13,6 +13,7 @@ import numpy as np
 from .arch import config_from_meta
 from .backend import CPUBackend
 from .cpu import matmul as cpu_matmul
+from .cpu import load_order
 from .cpu.blas import set_blas_threads
 from .errors import NbmoeError
 from .gguf_file import GGUFFile
@@ -50,6 +51,7 @@ class LLM:
         emb = self.file.tensors.get("token_embd.weight")
         self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None)
         check_tensors(self.cfg, self.file.tensors, cpu_matmul.is_supported)
+        load_order.preload()     # callees before their callers, as when they compiled
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
         self.weights = dict(self.file.tensors)

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
-from nbmoe.cpu import gemm_i8, matmul
+from nbmoe.cpu import gemm_i8, load_order, matmul
 from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import TYPES
 from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES
@@ -173,6 +173,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     REPS = a.reps
     numba.set_num_threads(a.threads)
+    load_order.preload()     # the kernels' own code, as in the run that compiled them
     rng = np.random.default_rng(0)
     rows, bws = [], []
     console = Console(stderr=True)

@@ -1,0 +1,49 @@
+"""cpu/load_order.py: a compiling process records its kernels, callees first; a later process
+loads them from the cache in that order, compiling nothing."""
+import os
+import pickle
+import subprocess
+import sys
+
+from nbmoe.cpu import load_order
+
+COMPILE = """
+import numpy as np, nbmoe
+from nbmoe.cpu import matmul
+from nbmoe.cpu.quants import Q8_0
+matmul._prepare_x(np.ones((1, 64), np.float32), True, Q8_0)
+"""
+
+PRELOAD = """
+import nbmoe
+from nbmoe.cpu import load_order, matmul, quants_int8
+n = load_order.preload()
+print(n, len(quants_int8.quantize_x.stats.cache_hits), len(quants_int8.quantize_x.stats.cache_misses),
+      len(matmul._prepare_x.stats.cache_hits), len(matmul._prepare_x.stats.cache_misses))
+"""
+
+
+def _run(code, cache):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_callees_are_recorded_first_and_preloaded_from_the_cache(tmp_path):
+    _run(COMPILE, tmp_path)
+    names = [q for m, q, _ in load_order.entries(str(tmp_path / "callees.pkl"))]
+    # _prepare_x calls quantize_x and prepare_blocks: their compiles end first
+    assert names.index("quantize_x") < names.index("_prepare_x")
+    assert names.index("prepare_blocks") < names.index("_prepare_x")
+    n, hits, misses, caller_hits, caller_misses = map(int, _run(PRELOAD, tmp_path).split())
+    assert n == len(names)
+    assert (hits, misses, caller_hits, caller_misses) == (1, 0, 1, 0)
+
+
+def test_a_damaged_record_ends_the_list(tmp_path):
+    path = tmp_path / "callees.pkl"
+    good = ("nbmoe.cpu.quants_int8", "quantize_x", ())
+    path.write_bytes(pickle.dumps(good) + pickle.dumps(good)[:7])
+    assert list(load_order.entries(str(path))) == [good]
+    path.write_bytes(b"not a pickle")
+    assert list(load_order.entries(str(path))) == []
+    assert list(load_order.entries(str(tmp_path / "missing.pkl"))) == []
