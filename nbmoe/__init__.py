@@ -20,7 +20,8 @@ def _kernel_cache_dir():
     h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} "
                      f"novnni={os.environ.get('NBMOE_NO_VNNI', '')} "
                      f"prefetch={os.environ.get('NBMOE_PREFETCH', '')}".encode())
-    for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))):
+    # load_order.py too: its record of which kernels compiled must describe this cache
+    for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
             h.update(f.read())
     from .paths import cache_dir
@@ -30,7 +31,7 @@ def _kernel_cache_dir():
 if "NUMBA_CACHE_DIR" not in os.environ:
     numba.config.CACHE_DIR = _kernel_cache_dir()
 
-from .cpu import load_order  # noqa: E402
+from . import load_order  # noqa: E402
 
 load_order.record()     # which kernels compile, for load_order.preload in later processes
 

@@ -10,10 +10,10 @@ import time
 import numba
 import numpy as np
 
+from . import load_order
 from .arch import config_from_meta
 from .backend import CPUBackend
 from .cpu import matmul as cpu_matmul
-from .cpu import load_order
 from .cpu.blas import set_blas_threads
 from .errors import NbmoeError
 from .gguf_file import GGUFFile

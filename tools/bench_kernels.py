@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
-from nbmoe.cpu import gemm_i8, load_order, matmul
+from nbmoe import load_order
+from nbmoe.cpu import gemm_i8, matmul
 from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import TYPES
 from nbmoe.cpu.quants_int8 import HAS_VNNI, INT8_TYPES

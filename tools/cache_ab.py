@@ -8,7 +8,7 @@ the same type's kernel called directly, 4096x4096, the two alternated in one pro
 From the cache, dot_rows_i8 runs its own copy of dot_rows_q4_k_i8, compiled into it (the
 same IR optimised twice), and `direct` (compiled in each run) calls the kernel's own code:
 session 16 measured 27.7-28.7 vs 30.4-30.6 GB/s, three runs of 10 rounds. --preload loads
-the kernel's own code first (cpu/load_order.py), and dot_rows_i8 calls it, as in the run that
+the kernel's own code first (load_order.py), and dot_rows_i8 calls it, as in the run that
 compiled them.
 """
 import argparse
@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
-from nbmoe.cpu import load_order, matmul, quants_iq4, quants_k_i8
+from nbmoe import load_order
+from nbmoe.cpu import matmul, quants_iq4, quants_k_i8
 from nbmoe.cpu import quants_int8 as qi
 from nbmoe.cpu.membw import read_bandwidth
 from nbmoe.cpu.quants import Q4_1, Q8_0

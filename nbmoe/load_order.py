@@ -11,10 +11,10 @@ two runs each from one cache, 4096x4096 / experts 84-81% / 77-79% of the streami
 run as the cache left them, 87-89% / 84-86% with the callees loaded first, as in the run that
 compiled them (89-92% / 86-91%).
 
-So every process that compiles records the kernels it compiles (module, name, signature; in
-the order the compiles end, callees before callers) in a file beside Numba's cache, and
+So every process that compiles records the callees it compiles (module, name, signature; in
+the order the compiles end, callees before their callers) in a file beside Numba's cache, and
 preload() loads them from the cache, in that order, before anything runs. Loading is ~10 ms
-a kernel; one whose cache entry went missing is compiled again then.
+a kernel (the engine's ~150: 1.5 s); one whose cache entry went missing is compiled again.
 """
 import importlib
 import os
@@ -36,19 +36,23 @@ def _path():
 
 class _Recorder(event.Listener):
     """Appends (module, qualname, argument types) of each CPU kernel this process compiles
-    and caches on disk. Every such kernel may be a callee: one compiled here from Python may
-    be loaded from the cache as the callee of a kernel compiled later, which fires no event.
-    Left out: parallel kernels (the outermost callers) and inline="always" ones (no code of
-    their own)."""
+    inside another kernel's compile (a callee) and caches on disk. Left out: kernels compiled
+    from Python (a callee that was compiled so first, then loaded from the cache by its caller,
+    fires no event and keeps running from the caller's copy), parallel kernels (outermost
+    callers) and inline="always" ones (no code of their own)."""
+
+    def __init__(self):
+        self.depth = 0      # compiles nest: a caller's typing compiles its callees
 
     def on_start(self, ev):
-        pass
+        self.depth += 1
 
     def on_end(self, ev):
+        self.depth -= 1
         disp = ev.data["dispatcher"]
         fn = getattr(disp, "py_func", None)
         opts = getattr(disp, "targetoptions", {})
-        if (fn is None or not fn.__module__.startswith("nbmoe.cpu.")
+        if (self.depth == 0 or fn is None or not fn.__module__.startswith("nbmoe.cpu.")
                 or type(getattr(disp, "_cache", None)).__name__ in ("NullCache", "NoneType")
                 or opts.get("parallel") or opts.get("inline") == "always"):
             return
