@@ -378,3 +378,20 @@ def test_prefetch_distance_is_in_the_kernel_cache_key(monkeypatch):
                          env={**os.environ, "NBMOE_PREFETCH": "4k"})
     assert bad.returncode != 0
     assert bad.stderr.strip() == "error: NBMOE_PREFETCH='4k': want a byte count (0: no prefetches)"
+
+
+def test_bench_kernels_keeps_each_cases_best_over_rounds(capsys):
+    """tools/bench_kernels.py on tiny shapes, two rounds: one checked row per case, the
+    fastest of its rounds, its ratio against the best streaming read of the run."""
+    import json
+
+    import bench_kernels
+    bench_kernels.main(["-t", "1", "--types", "Q8_0", "--shapes", "64x256", "--moe", "16x64x256",
+                        "--gemm", "", "--copy-mb", "1", "--reps", "1", "--rounds", "2", "-o", "json"])
+    got = json.loads(capsys.readouterr().out)
+    keys = [(r["test"], r["path"]) for r in got["rows"]]
+    assert len(keys) == len(set(keys)) and ("mat-vec 64x256", "float") in keys
+    assert ("experts 16x64x256 A=8", "float") in keys
+    for r in got["rows"]:
+        assert r["rel_err"] < 1.5e-2 and r["gbs"] > 0
+        assert abs(r["ratio"] - r["gbs"] / got["read_bw_gbs"]) < 1e-9
