@@ -57,10 +57,15 @@ class _Recorder(event.Listener):
                 or opts.get("parallel") or opts.get("inline") == "always"):
             return
         entry = (fn.__module__, fn.__qualname__, tuple(ev.data["args"]))
+        try:    # an argument type that does not pickle back (none known) is left out, and a
+            data = pickle.dumps(entry)      # failure here must not fail the compile
+            pickle.loads(data)
+        except Exception:
+            return
         try:
             os.makedirs(os.path.dirname(_path()), exist_ok=True)
             with open(_path(), "ab") as f:
-                f.write(pickle.dumps(entry))
+                f.write(data)
         except OSError:     # a read-only cache: the kernels still run, from their copies
             pass
 

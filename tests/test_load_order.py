@@ -51,3 +51,33 @@ def test_a_damaged_record_ends_the_list(tmp_path):
     path.write_bytes(b"not a pickle")
     assert list(load_order.entries(str(path))) == []
     assert list(load_order.entries(str(tmp_path / "missing.pkl"))) == []
+
+
+def test_the_recorder_keeps_callees_only_and_never_fails_a_compile(tmp_path, monkeypatch):
+    """Entries: cached CPU kernels compiled inside another compile; an argument type that does
+    not pickle is passed over quietly (the listener runs inside Numba's compile)."""
+    import types as pytypes
+
+    import numba
+    from numba.core import event
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+
+    class FunctionCache:
+        pass
+
+    def fake(module, args, **opts):
+        disp = pytypes.SimpleNamespace(py_func=pytypes.SimpleNamespace(__module__=module, __qualname__="k"),
+                                       _cache=FunctionCache(), targetoptions=opts)
+        return event.Event("numba:compile", event.EventStatus.END, data=dict(dispatcher=disp, args=args))
+
+    rec = load_order._Recorder()
+    rec.on_start(None)                                  # a caller's compile
+    for module, args, opts in (("nbmoe.cpu.a", (lambda: 0,), {}),      # does not pickle
+                               ("nbmoe.cpu.b", (numba.int64,), {"parallel": True}),
+                               ("nbmoe.cpu.c", (numba.int64,), {"inline": "always"}),
+                               ("elsewhere", (numba.int64,), {}),
+                               ("nbmoe.cpu.d", (numba.float32[:],), {})):
+        rec.on_start(None)                              # a callee's compile inside it
+        rec.on_end(fake(module, args, **opts))
+    rec.on_end(fake("nbmoe.cpu.e", (numba.int64,)))    # the caller: compiled from Python
+    assert list(load_order.entries()) == [("nbmoe.cpu.d", "k", (numba.float32[:],))]
