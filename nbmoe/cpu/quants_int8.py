@@ -212,17 +212,19 @@ def quantize_x(xq, xd, xs, x):
         for i in range(32):
             m = max(m, bits[u64(32 * b + i)] & np.int32(0x7FFFFFFF))
         top[b] = m
-    for b in range(B):
+    inv = xs                                   # xs holds 1 / xd until the block sums replace it
+    for b in range(B):                         # the divisions, 16 blocks to a vector
         d = xd[b] / f32(127)                   # max|x| / 127
-        inv = f32(1) / d if d > 0 else f32(0)
+        inv[b] = f32(1) / d if d > 0 else f32(0)
+        xd[b] = d
+    for b in range(B):
         s = np.int32(0)
         for i in range(32):
             # rint by the 1.5 * 2^23 trick (exact, halves to even, |v| <= 127): vectorizes
-            q = np.int32((x[u64(32 * b + i)] * inv + _ROUND) - _ROUND)
+            q = np.int32((x[u64(32 * b + i)] * inv[b] + _ROUND) - _ROUND)
             xq[u64(32 * b + i)] = q
-            s += q
-        xd[b] = d
-        xs[b] = d * f32(s)
+            s = np.int32(s + q)                # int32 + int32 is int64 in Numba: keep 32-bit lanes
+        xs[b] = xd[b] * f32(s)
 
 
 @njit(inline="always")
