@@ -62,16 +62,20 @@ def x_rounded(x):
 
 
 def test_quantize_x():
-    x = rnd(3 * 32, seed=11)
-    x[32:64] = 0  # an all-zero block: scale 0, codes 0
-    xq = np.empty(96, np.int8)
-    xd, xs = np.empty(3, np.float32), np.empty(3, np.float32)
+    """Exact: d = max|x| / 127, codes rint(x / d), xs = d * (sum of the codes) in float32; 40
+    blocks, so the vectorised division loop runs its full vectors and its tail."""
+    B = 40
+    x = rnd(B * 32, seed=11) * np.repeat(np.float32(10) ** np.linspace(-3, 3, B, dtype=np.float32), 32)
+    x[32:64] = 0    # all-zero blocks: scale 0, codes 0
+    x[-32:] = 0
+    xq = np.empty(B * 32, np.int8)
+    xd, xs = np.empty(B, np.float32), np.empty(B, np.float32)
     quantize_x(xq, xd, xs, x)
-    d = np.abs(x.reshape(3, 32)).max(1) / np.float32(127)
+    d = np.abs(x.reshape(B, 32)).max(1) / np.float32(127)
     assert np.array_equal(xd, d)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    assert np.array_equal(xq, np.rint(x.reshape(3, 32) * inv[:, None]).ravel().astype(np.int8))
-    assert np.allclose(xs, d * xq.reshape(3, 32).sum(1), rtol=1e-6)
+    assert np.array_equal(xq, np.rint(x.reshape(B, 32) * inv[:, None]).ravel().astype(np.int8))
+    assert np.array_equal(xs, d * xq.reshape(B, 32).sum(1).astype(np.float32))
 
 
 def uses_int8(name, n_tokens):
