@@ -6,6 +6,7 @@ live on it. Binding happens once per graph: every array view (reshape, row slice
 view) is made then, so running a node is one Python call into a compiled kernel. Per-token
 state (the cache position) is read from `state` at call time.
 """
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -211,7 +212,8 @@ class CPUBackend(Backend):
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
-        step, int8 = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype), mm._int8(qtype)
+        step = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype, mm.expert_items_per_thread())
+        int8 = mm._int8(qtype)
         return [None, None, _labelled(
             lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
 
@@ -220,8 +222,9 @@ class CPUBackend(Backend):
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, mm, fused = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm, self.fused
         A = ids.shape[1]
-        step, int8 = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype), mm._int8(qtype)
-        return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step),
+        step = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype, mm.expert_items_per_thread())
+        int8, threads = mm._int8(qtype), numba.get_num_threads      # workers: the threads at call time
+        return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step, threads()),
                                 "MUL_MAT_ID+MOE_COMBINE")]
 
     # -- whole blocks, one token (cpu/blocks.py) ---------------------------------------------
@@ -293,16 +296,18 @@ class CPUBackend(Backend):
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
         A, mm = ids.shape[1], self.mm
         # work items as the unfused glu_id and down_combine groups pick them
-        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg),
-                 mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
+        per = mm.expert_items_per_thread()
+        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg, per),
+                 mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd, per))
         qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
         norms = (self.vector(norm.weight),) + self._norm_vectors([post])
         x, h, logits, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, router.out, comb.out))
         wts, wr = buf[topk.out], pr[0]
         eps, act, blocks, norm_topk = norm.params["eps"], _act(self.fused, glu), self.blocks, topk.params["norm"]
+        threads = numba.get_num_threads
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
-            act, norm_topk), "MOE_BLOCK")
+            act, norm_topk, threads()), "MOE_BLOCK")
         step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 

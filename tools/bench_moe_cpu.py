@@ -52,8 +52,9 @@ def main(argv=None):
     qtype = lay[0][3]
     K = matmul.row_values(qtype, lay[0][0].shape[2])
     int8 = matmul._int8(qtype)
-    step_g = matmul.item_rows(F, lay[0][0].shape[2], 1, qtype)
-    step_d = matmul.item_rows(D, A * lay[0][2].shape[2], 1, qtype)
+    per = matmul.expert_items_per_thread()
+    step_g = matmul.item_rows(F, lay[0][0].shape[2], 1, qtype, per)
+    step_d = matmul.item_rows(D, A * lay[0][2].shape[2], 1, qtype, per)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1, K), dtype=np.float32)
     g = np.empty((1, A, F), np.float32)
@@ -69,7 +70,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
             t1 = time.perf_counter()
-            fused.down_combine(out, wd, g, ids, wts, qt, int8, step_d)
+            fused.down_combine(out, wd, g, ids, wts, qt, int8, step_d, numba.get_num_threads())
             t2 = time.perf_counter()
             if tok >= 2:
                 t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1

@@ -76,20 +76,20 @@ def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act):
 
 @njit(cache=True, error_model="numpy")
 def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
-              act, norm_topk):
+              act, norm_topk, n_workers):
     """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
     h = ffn_norm(x), e_a and wts = the top-A of the router's logits h @ Wr^T.
 
     h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
     norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
-    (one type), down.
+    (one type), down; n_workers: the expert products' (numba.get_num_threads()).
     """
     ffn_norm, post_norm = norms
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
     mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
     moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
     _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], ids.size + 1, int8s[1],
-                    steps[1], wu, act)                                # gate/up/GLU: fused.glu_id
-    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2])  # [1, D]
+                    steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
+    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2], n_workers)    # [1, D]
     _norm_if(f, post_norm, eps)
     ops.add(x, x, f)

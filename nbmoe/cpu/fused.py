@@ -16,11 +16,13 @@ Each product row is the one matmul's kernels compute (same x preparation, same r
 the results equal the unfused nodes' (the GLU and the weighted sum in the same order).
 act: ACT_SILU or ACT_GELU (ops' row functions).
 """
+import numba
 import numpy as np
 from numba import njit, prange
 
 from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, _prepare_x,  # noqa: F401
                      _products)
+from .work_queue import new_queue, next_item
 
 
 # ---------------------------------------------------------------- products
@@ -64,31 +66,38 @@ def glu(out, wg, wu, x, qtype, int8, step, act):
 # the type dispatch in it once).
 
 def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
-    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, act)
+    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, act, numba.get_num_threads())
 
 
 # ---------------------------------------------------------------- down_combine
 # out [T, M] = sum_a wts[t, a] * W[ids[t, a]] @ x[t, a] (x [T, A, K]); an item = a run of
 # `step` output rows for every token, the A expert rows dotted into y and summed in order a
-# (as moe_combine: out = w0 * y0, then out += w_a * y_a).
+# (as moe_combine: out = w0 * y0, then out += w_a * y_a). Items shared out over n_workers
+# (numba.get_num_threads()) by work_queue, as the expert products'.
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def down_combine(out, w, x, ids, wts, qtype, int8, step):
+def down_combine(out, w, x, ids, wts, qtype, int8, step, n_workers):
     M = w.shape[1]
     T, A, K = x.shape
     xf = x.reshape(T * A, K)
     xsum, xi = _prepare_x(xf, int8, qtype)
-    for item in prange((M + step - 1) // step):
-        r0, r1 = item * step, min(M, (item + 1) * step)
-        y = np.empty(r1 - r0, np.float32)
-        for t in range(T):
-            o = out[t, r0:r1]
-            for a in range(A):
-                _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
-                wa = wts[t, a]
-                if a == 0:
-                    for i in range(r1 - r0):
-                        o[i] = wa * y[i]
-                else:
-                    for i in range(r1 - r0):
-                        o[i] += wa * y[i]
+    queue = new_queue((M + step - 1) // step, n_workers)
+    for worker in prange(n_workers):
+        moved = 0
+        while True:
+            item, moved = next_item(queue, worker, moved)
+            if item < 0:
+                break
+            r0, r1 = item * step, min(M, (item + 1) * step)
+            y = np.empty(r1 - r0, np.float32)
+            for t in range(T):
+                o = out[t, r0:r1]
+                for a in range(A):
+                    _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+                    wa = wts[t, a]
+                    if a == 0:
+                        for i in range(r1 - r0):
+                            o[i] = wa * y[i]
+                    else:
+                        for i in range(r1 - r0):
+                            o[i] += wa * y[i]

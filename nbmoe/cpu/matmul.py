@@ -48,6 +48,7 @@ from .quants_rtr_k import Q4_K_R16, prepare_xk
 from .quants_rtr_xs import IQ4_XS_R16
 from .quants_rtr_xs import prepare_xk as prepare_xk_xs
 from .ops import _geglu_row, _swiglu_row
+from .work_queue import new_queue, next_item
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
 # (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
@@ -68,6 +69,21 @@ ITEM_BYTES = 1 << 40
 # parallel region): a region's fork and join (~1.5 us on 2 idle threads, a scheduler tick on
 # a busy machine) costs what splitting ~32 KB of row dots saves. A MoE router is this small.
 SERIAL_MAX_BYTES = 32 << 10
+# Items per thread of a token's expert products, which share them out through work_queue
+# (a thread that finishes early takes items from the slow ones' shares). With many threads,
+# finer items balance them: hybrid tg128 on the H200 box (16 threads, Qwen3-30B-A3B shape,
+# Q4_0 experts; one process, 16 alternated rounds) 73.5 / 75.1 t/s with prange's static split,
+# 73.7 / 74.0 shared out at 1 item a thread, 74.9 / 74.2 at 2, 75.5 / 75.5 at 4 (medians of
+# two runs; rounds 72-78 t/s instead of 65-83). With 2 threads, whose reads each run at
+# ~15 GB/s, an item's four streams need the length: experts 128x2048x768 A=8 at 4 items a
+# thread read 3-10% slower for the 4-bit types (2-core VM, 6 alternated rounds).
+EXPERT_ITEMS_PER_THREAD = 4
+EXPERT_SPLIT_MIN_THREADS = 8
+
+
+def expert_items_per_thread():
+    """item_rows' per_thread for one token's expert products at the current thread count."""
+    return EXPERT_ITEMS_PER_THREAD if numba.get_num_threads() >= EXPERT_SPLIT_MIN_THREADS else 1
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
@@ -219,16 +235,17 @@ def mul_mat_plain(out, w, x, qtype):
 # ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
 # ITEM_BYTES). Parallel over runs.
 
-def item_rows(M, row_bytes, n_tokens, qtype=None):
+def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=1):
     """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items come in whole rounds of the threads (repacked: whole groups), or all
-    M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it on the calling thread)."""
+    such that the items come in whole rounds of the threads (`per_thread` items each;
+    repacked: whole groups), or all M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it
+    on the calling thread)."""
     unit = GROUP if qtype in BASE else 2
     if n_tokens > 1:
         return ITEM_ROWS            # a multiple of GROUP
     if M * row_bytes < SERIAL_MAX_BYTES:
         return M                    # one item: mat_vec runs it without a parallel region
-    nt = numba.get_num_threads()
+    nt = numba.get_num_threads() * per_thread
     n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
     rows = (M + n - 1) // n
     return max(unit, (rows + unit - 1) // unit * unit)
@@ -342,7 +359,8 @@ def mul_mat_step(out, w, x, qtype):
 # x [T, X, K], ids [T, A], out [T, A, M].
 # Grouped by expert: the (t, a) pairs are counting-sorted by expert, so each chosen expert's
 # rows are streamed once per call and dotted with all its tokens while in L1; experts nobody
-# chose are never touched. Work item = (chosen expert, run of ITEM_ROWS rows), parallel.
+# chose are never touched. Work item = (chosen expert, run of `step` rows), shared out over
+# n_workers (numba.get_num_threads()) by work_queue.
 # Experts chosen by >= blas_min pairs are left out here: the caller runs them through gemm_i8
 # (>= GEMM_MIN_T pairs) or BLAS (>= BLAS_MIN_T).
 
@@ -378,7 +396,7 @@ def _glu_rows(out, g, u, act):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act):
+def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_workers):
     E, M = w.shape[0], w.shape[1]
     T, X, K = x.shape
     A = ids.shape[1]
@@ -392,20 +410,26 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act):
             used[n_used] = e
             n_used += 1
     n_runs = (M + step - 1) // step
-    for item in prange(n_used * n_runs):
-        e = used[item // n_runs]
-        r0 = item % n_runs * step
-        r1 = min(M, r0 + step)
-        g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-        u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-        for p in range(start[e], start[e + 1]):
-            t, a = order[p] // A, order[p] % A
-            n = t * X + (a if X == A else 0)
-            o = out[t, a, r0:r1]
-            _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
-            if act != ACT_NONE:
-                _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
-                _glu_rows(o, g, u, act)
+    queue = new_queue(n_used * n_runs, n_workers)
+    for worker in prange(n_workers):
+        moved = 0
+        while True:
+            item, moved = next_item(queue, worker, moved)
+            if item < 0:
+                break
+            e = used[item // n_runs]
+            r0 = item % n_runs * step
+            r1 = min(M, r0 + step)
+            g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+            u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+            for p in range(start[e], start[e + 1]):
+                t, a = order[p] // A, order[p] % A
+                n = t * X + (a if X == A else 0)
+                o = out[t, a, r0:r1]
+                _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
+                if act != ACT_NONE:
+                    _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+                    _glu_rows(o, g, u, act)
 
 
 def mul_mat_id(out, w, x, ids, qtype):
@@ -413,8 +437,9 @@ def mul_mat_id(out, w, x, ids, qtype):
     gemm = batched_int8(qtype)
     many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
-        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
-        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE)
+        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype, expert_items_per_thread())
+        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE,
+                        numba.get_num_threads())
         return
     T, X, K = x.shape
     A = ids.shape[1]
@@ -423,7 +448,8 @@ def mul_mat_id(out, w, x, ids, qtype):
     if gemm and T * X > VEC_FEW_MAX_ROWS:
         many = 1                                   # gemm_i8 takes the experts of few tokens too
     if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
-        _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE)
+        _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE,
+                        numba.get_num_threads())
     if gemm:
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)
         return

@@ -1,0 +1,67 @@
+"""Work items shared out as threads become free: each worker runs its own contiguous share,
+then takes the items left in other workers' shares.
+
+prange hands worker w the items [w * n / W, (w + 1) * n / W) and nothing else, so a parallel
+region lasts as long as its slowest thread. With 16 threads the slowest of one token's expert
+calls (H200 box, Q4_0 experts 128 x 2048 x 768, 8 chosen) finished ~30 us after the fastest:
+a quarter of the call. Here worker w still starts on its own share, front to back (its reads
+stay one stream for the hardware prefetchers), and when that is done it takes items from the
+fronts of the other shares, one at a time. Each share's next item is a counter that workers
+advance with an atomic add, so an item is run exactly once whoever takes it.
+
+    queue [W * 8] int64: queue[8 w] = share w's next item, queue[8 w + 1] = its end
+    (eight words per worker: each counter on a cache line of its own, so the counters that
+    threads advance do not bounce a shared line between cores)
+
+Usage (W = numba.get_num_threads(); prange gives each worker index to one thread):
+
+    queue = new_queue(n_items, W)
+    for w in prange(W):
+        moved = 0
+        while True:
+            item, moved = next_item(queue, w, moved)
+            if item < 0:
+                break
+            ...                                   # run the item
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+WORDS = 8   # int64 words per worker: 64 bytes
+
+
+@intrinsic
+def fetch_add(typingctx, arr, i, v):
+    """arr[i] += v as one atomic read-modify-write; returns arr[i] before the add (int64
+    arrays only)."""
+    def codegen(context, b, sig, args):
+        a = context.make_array(sig.args[0])(context, b, args[0])
+        return b.atomic_rmw("add", b.gep(a.data, [args[1]]), args[2], "seq_cst")
+    return types.int64(arr, types.int64, types.int64), codegen
+
+
+@njit(cache=True)
+def new_queue(n_items, n_workers):
+    """The counters for n_items split into n_workers contiguous shares (prange's split)."""
+    queue = np.zeros(n_workers * WORDS, np.int64)
+    for w in range(n_workers):
+        queue[w * WORDS] = w * n_items // n_workers
+        queue[w * WORDS + 1] = (w + 1) * n_items // n_workers
+    return queue
+
+
+@njit(cache=True, inline="always")
+def next_item(queue, worker, moved):
+    """(item, moved): the next item of share (worker + moved) mod W, else of the shares after
+    it in turn; item -1 when every share is done. `moved` starts at 0 (the worker's own share)
+    and is passed back in, so a worker keeps taking from one share until it is done."""
+    n_workers = queue.shape[0] // WORDS
+    for k in range(moved, n_workers):
+        s = worker + k
+        if s >= n_workers:
+            s -= n_workers
+        item = fetch_add(queue, s * WORDS, 1)
+        if item < queue[s * WORDS + 1]:
+            return item, k
+    return -1, n_workers
