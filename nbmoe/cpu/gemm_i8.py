@@ -30,7 +30,11 @@ started at xb; then per slot float(dot) * s (* xd) into 16 float lanes (= the 16
 Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a slot (k outer:
 8 independent chains), the 8 weight vectors loaded once. Loop order: panel outer (unpacked
 once, L1/L2), slot groups, x-blocks. Parallel over (job, panel) work items; a job = one
-matrix and a run of slot groups.
+matrix and a run of slot groups. The items are shared out by work_queue: an expert's cost is
+its token count, and prange's static split left threads idle behind the busiest share
+(numba.parallel_chunksize, used here before, does not change how the omp and workqueue
+layers assign iterations: measured, a loop whose costly items sit in one thread's half ran
+no faster with chunksize 1).
 """
 import numba
 import numpy as np
@@ -43,6 +47,7 @@ from .gemm_unpack import group_size, has_m, panel_words, record_words, unpack
 from .quants import f32, stack_f32
 from .quants_int8 import _dot4_init
 from .simd import F32, I8, I32, I64, vec
+from .work_queue import new_queue, next_item
 
 NT = 8          # slots per group
 ROWS = 16       # rows per panel
@@ -324,15 +329,22 @@ def _item(out, w, qtype, Xa, slot_o, g0, g1, r0, nr):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def gemm(out, w, qtype, Xa, slot_o, jobs):
+def gemm(out, w, qtype, Xa, slot_o, jobs, n_workers):
     """out [N, M]: out[slot_o[s]] = dequant(w[e]) @ x of slot s, for the slots of each job
-    (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]."""
+    (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]. Items (job,
+    panel) differ in cost (experts' token counts): shared out over n_workers by work_queue."""
     M = w.shape[1]
     n_panels = (M + ROWS - 1) // ROWS
-    for item in prange(jobs.shape[0] * n_panels):
-        job, p = item // n_panels, item % n_panels
-        _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
-              min(ROWS, M - p * ROWS))
+    queue = new_queue(jobs.shape[0] * n_panels, n_workers)
+    for worker in prange(n_workers):
+        moved = 0
+        while True:
+            item, moved = next_item(queue, worker, moved)
+            if item < 0:
+                break
+            job, p = item // n_panels, item % n_panels
+            _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
+                  min(ROWS, M - p * ROWS))
 
 
 def _jobs(n_groups, n_panels, n_threads):
@@ -350,7 +362,7 @@ def mul_mat(out, w, x, qtype):
     s[:T] = np.arange(T)
     Xa = prepare_x(x, s, group_size(qtype))
     jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, numba.get_num_threads())
-    gemm(out, w[None], qtype, Xa, s, jobs)
+    gemm(out, w[None], qtype, Xa, s, jobs, numba.get_num_threads())
 
 
 @njit(cache=True, error_model="numpy")
@@ -389,5 +401,4 @@ def mul_mat_id(out, w, x, ids, qtype, order, start, min_pairs):
     if jobs.shape[0] == 0:
         return
     Xa = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
-    with numba.parallel_chunksize(1):     # items differ in cost (experts' token counts): dynamic
-        gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xa, slot_o, jobs)
+    gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xa, slot_o, jobs, numba.get_num_threads())

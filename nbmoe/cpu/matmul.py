@@ -71,12 +71,13 @@ ITEM_BYTES = 1 << 40
 SERIAL_MAX_BYTES = 32 << 10
 # Items per thread of a token's expert products, which share them out through work_queue
 # (a thread that finishes early takes items from the slow ones' shares). With many threads,
-# finer items balance them: hybrid tg128 on the H200 box (16 threads, Qwen3-30B-A3B shape,
-# Q4_0 experts; one process, 16 alternated rounds) 73.5 / 75.1 t/s with prange's static split,
-# 73.7 / 74.0 shared out at 1 item a thread, 74.9 / 74.2 at 2, 75.5 / 75.5 at 4 (medians of
-# two runs; rounds 72-78 t/s instead of 65-83). With 2 threads, whose reads each run at
-# ~15 GB/s, an item's four streams need the length: experts 128x2048x768 A=8 at 4 items a
-# thread read 3-10% slower for the 4-bit types (2-core VM, 6 alternated rounds).
+# finer items shared out balance them: hybrid tg128 on the H200 box (16 threads, Qwen3-30B-A3B
+# shape, Q4_0 experts; one process, alternated rounds) 78.1 t/s (median of 10) against 73.5
+# with prange's static split at one item a thread, faster in all 10 rounds; another run
+# 71.6 vs 68.5. Either change alone gave nothing (shared out at 1 item a thread 73.5,
+# static at 4: 73.1); 2 and 8 items a thread 70.7 and 70.0 against 4's 71.6. With 2 threads,
+# whose reads each run at ~15 GB/s, an item's four streams need the length: experts
+# 128x2048x768 A=8 at 4 items a thread read 3-10% slower for the 4-bit types (2-core VM).
 EXPERT_ITEMS_PER_THREAD = 4
 EXPERT_SPLIT_MIN_THREADS = 8
 
@@ -84,6 +85,8 @@ EXPERT_SPLIT_MIN_THREADS = 8
 def expert_items_per_thread():
     """item_rows' per_thread for one token's expert products at the current thread count."""
     return EXPERT_ITEMS_PER_THREAD if numba.get_num_threads() >= EXPERT_SPLIT_MIN_THREADS else 1
+
+
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
