@@ -13,7 +13,9 @@ advance with an atomic add, so an item is run exactly once whoever takes it.
     (eight words per worker: each counter on a cache line of its own, so the counters that
     threads advance do not bounce a shared line between cores)
 
-Usage (W = numba.get_num_threads(); prange gives each worker index to one thread):
+Usage (W = numba.get_num_threads(), passed in from Python: called inside a kernel it makes
+the kernel uncacheable, as Numba embeds a pointer for it; prange gives each worker index to
+one thread, and with any other assignment every item still runs once):
 
     queue = new_queue(n_items, W)
     for w in prange(W):
