@@ -59,6 +59,7 @@ def test_expert_products_same_bits_for_any_worker_count(name):
     rng = np.random.default_rng(7)
     E, F, T, A = 6, 64, 2, 3                                 # w [E, F, F]: gate, up and down
     w = np.stack([quantize(rng.standard_normal((F, F), dtype=np.float32), qt) for _ in range(E)])
+    w.flags.writeable = False        # as the mmap'd weights: the engine's compiled signature
     x = rng.standard_normal((T, 1, F), dtype=np.float32)
     ids = np.array([[0, 4, 5], [4, 1, 2]], np.int32)
     wts = rng.random((T, A), dtype=np.float32)
