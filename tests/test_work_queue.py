@@ -16,12 +16,10 @@ def _claims(n_items, n_workers):
     queue = new_queue(n_items, n_workers)
     claims = np.zeros((n_workers, n_items), np.int64)
     for w in prange(n_workers):
-        moved = 0
-        while True:
-            item, moved = next_item(queue, w, moved)
-            if item < 0:
-                break
+        item = next_item(queue, w)
+        while item >= 0:
             claims[w, item] += 1
+            item = next_item(queue, w)
     return claims
 
 
@@ -30,12 +28,11 @@ def _sequence(n_items, n_workers, worker):
     """The items `worker` takes when it runs alone after the others took nothing."""
     queue = new_queue(n_items, n_workers)
     out = []
-    moved = 0
-    while True:
-        item, moved = next_item(queue, worker, moved)
-        if item < 0:
-            return out
+    item = next_item(queue, worker)
+    while item >= 0:
         out.append(item)
+        item = next_item(queue, worker)
+    return out
 
 
 @pytest.mark.parametrize("n_items,n_workers", [(0, 2), (1, 3), (7, 2), (64, 5), (5, 8)])

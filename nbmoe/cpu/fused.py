@@ -83,11 +83,8 @@ def down_combine(out, w, x, ids, wts, qtype, int8, step, n_workers):
     xsum, xi = _prepare_x(xf, int8, qtype)
     queue = new_queue((M + step - 1) // step, n_workers)
     for worker in prange(n_workers):
-        moved = 0
-        while True:
-            item, moved = next_item(queue, worker, moved)
-            if item < 0:
-                break
+        item = next_item(queue, worker)
+        while item >= 0:
             r0, r1 = item * step, min(M, (item + 1) * step)
             y = np.empty(r1 - r0, np.float32)
             for t in range(T):
@@ -101,3 +98,4 @@ def down_combine(out, w, x, ids, wts, qtype, int8, step, n_workers):
                     else:
                         for i in range(r1 - r0):
                             o[i] += wa * y[i]
+            item = next_item(queue, worker)

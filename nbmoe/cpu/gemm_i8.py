@@ -337,14 +337,12 @@ def gemm(out, w, qtype, Xa, slot_o, jobs, n_workers):
     n_panels = (M + ROWS - 1) // ROWS
     queue = new_queue(jobs.shape[0] * n_panels, n_workers)
     for worker in prange(n_workers):
-        moved = 0
-        while True:
-            item, moved = next_item(queue, worker, moved)
-            if item < 0:
-                break
+        item = next_item(queue, worker)
+        while item >= 0:
             job, p = item // n_panels, item % n_panels
             _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
                   min(ROWS, M - p * ROWS))
+            item = next_item(queue, worker)
 
 
 def _jobs(n_groups, n_panels, n_threads):

@@ -415,11 +415,8 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_work
     n_runs = (M + step - 1) // step
     queue = new_queue(n_used * n_runs, n_workers)
     for worker in prange(n_workers):
-        moved = 0
-        while True:
-            item, moved = next_item(queue, worker, moved)
-            if item < 0:
-                break
+        item = next_item(queue, worker)
+        while item >= 0:
             e = used[item // n_runs]
             r0 = item % n_runs * step
             r1 = min(M, r0 + step)
@@ -433,6 +430,7 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_work
                 if act != ACT_NONE:
                     _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
                     _glu_rows(o, g, u, act)
+            item = next_item(queue, worker)
 
 
 def mul_mat_id(out, w, x, ids, qtype):

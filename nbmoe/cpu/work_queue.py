@@ -9,7 +9,8 @@ stay one stream for the hardware prefetchers), and when that is done it takes it
 fronts of the other shares, one at a time. Each share's next item is a counter that workers
 advance with an atomic add, so an item is run exactly once whoever takes it.
 
-    queue [W * 8] int64: queue[8 w] = share w's next item, queue[8 w + 1] = its end
+    queue [W * 8] int64: queue[8 w] = share w's next item, queue[8 w + 1] = its end,
+    queue[8 w + 2] = how many shares past its own worker w has moved on (written by w alone)
     (eight words per worker: each counter on a cache line of its own, so the counters that
     threads advance do not bounce a shared line between cores)
 
@@ -19,12 +20,10 @@ one thread, and with any other assignment every item still runs once):
 
     queue = new_queue(n_items, W)
     for w in prange(W):
-        moved = 0
-        while True:
-            item, moved = next_item(queue, w, moved)
-            if item < 0:
-                break
+        item = next_item(queue, w)
+        while item >= 0:
             ...                                   # run the item
+            item = next_item(queue, w)
 """
 import numpy as np
 from numba import njit, types
@@ -54,16 +53,17 @@ def new_queue(n_items, n_workers):
 
 
 @njit(cache=True, inline="always")
-def next_item(queue, worker, moved):
-    """(item, moved): the next item of share (worker + moved) mod W, else of the shares after
-    it in turn; item -1 when every share is done. `moved` starts at 0 (the worker's own share)
-    and is passed back in, so a worker keeps taking from one share until it is done."""
+def next_item(queue, worker):
+    """The next item for `worker`: from its own share while any is left, then from the
+    shares after it in turn (it stays on a share until that is done); -1 when all are done."""
     n_workers = queue.shape[0] // WORDS
-    for k in range(moved, n_workers):
+    for k in range(queue[worker * WORDS + 2], n_workers):
         s = worker + k
         if s >= n_workers:
             s -= n_workers
         item = fetch_add(queue, s * WORDS, 1)
         if item < queue[s * WORDS + 1]:
-            return item, k
-    return -1, n_workers
+            queue[worker * WORDS + 2] = k
+            return item
+    queue[worker * WORDS + 2] = n_workers
+    return -1
