@@ -212,7 +212,7 @@ class CPUBackend(Backend):
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
-        step = mm.item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype, mm.expert_items_per_thread())
+        step = mm.expert_item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype)
         int8 = mm._int8(qtype)
         return [None, None, _labelled(
             lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
@@ -222,7 +222,7 @@ class CPUBackend(Backend):
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, mm, fused = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm, self.fused
         A = ids.shape[1]
-        step = mm.item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype, mm.expert_items_per_thread())
+        step = mm.expert_item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype)
         int8, threads = mm._int8(qtype), numba.get_num_threads      # workers: the threads at call time
         return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step, threads()),
                                 "MUL_MAT_ID+MOE_COMBINE")]
@@ -296,9 +296,8 @@ class CPUBackend(Backend):
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
         A, mm = ids.shape[1], self.mm
         # work items as the unfused glu_id and down_combine groups pick them
-        per = mm.expert_items_per_thread()
-        steps = (pr[3], mm.item_rows(wg.shape[1], wg.shape[2], 1, qg, per),
-                 mm.item_rows(wd.shape[1], A * wd.shape[2], 1, qd, per))
+        steps = (pr[3], mm.expert_item_rows(wg.shape[1], wg.shape[2], 1, qg),
+                 mm.expert_item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
         qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
         norms = (self.vector(norm.weight),) + self._norm_vectors([post])
         x, h, logits, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, router.out, comb.out))

@@ -87,5 +87,5 @@ def test_expert_items_per_thread_follow_the_thread_count(monkeypatch):
     for threads, per in ((2, 1), (8, matmul.EXPERT_ITEMS_PER_THREAD), (16, matmul.EXPERT_ITEMS_PER_THREAD)):
         monkeypatch.setattr(matmul.numba, "get_num_threads", lambda t=threads: t)
         assert matmul.expert_items_per_thread() == per
-        rows = matmul.item_rows(2048, 432, 1, None, per)          # Q4_0 768-wide expert rows
-        assert rows == 2048 // (threads * per)
+        rows = matmul.expert_item_rows(2048, 432, 1)              # Q4_0 768-wide expert rows
+        assert rows == 2048 // (threads * per) == matmul.item_rows(2048, 432, 1, None, per)

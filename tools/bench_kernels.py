@@ -132,7 +132,7 @@ def bench_type(name, a, bw, rng):
         x, out = rng.standard_normal((1, 8, K), dtype=np.float32), np.empty((1, 8, M), np.float32)
         ids = [np.arange(8 * i, 8 * i + 8, dtype=np.int32).reshape(1, 8) % E for i in range(E // 8)]
         for path, int8, q, ws in variants(qt, wsp, a.rtr):
-            step = matmul.item_rows(M, w1.shape[1], 1, q, matmul.expert_items_per_thread())
+            step = matmul.expert_item_rows(M, w1.shape[1], 1, q)
             nw = numba.get_num_threads()
             matmul._mul_mat_id_vec(out, ws[0], x, ids[0], q, 9, int8, step, ws[0], matmul.ACT_NONE, nw)
             err = check(out[0, 0:1], w1, x[0, 0:1], qt, 1.5e-2 if int8 else 1e-4)

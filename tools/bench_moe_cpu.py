@@ -52,9 +52,8 @@ def main(argv=None):
     qtype = lay[0][3]
     K = matmul.row_values(qtype, lay[0][0].shape[2])
     int8 = matmul._int8(qtype)
-    per = matmul.expert_items_per_thread()
-    step_g = matmul.item_rows(F, lay[0][0].shape[2], 1, qtype, per)
-    step_d = matmul.item_rows(D, A * lay[0][2].shape[2], 1, qtype, per)
+    step_g = matmul.expert_item_rows(F, lay[0][0].shape[2], 1, qtype)
+    step_d = matmul.expert_item_rows(D, A * lay[0][2].shape[2], 1, qtype)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1, K), dtype=np.float32)
     g = np.empty((1, A, F), np.float32)

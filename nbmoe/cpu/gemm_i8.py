@@ -359,8 +359,9 @@ def mul_mat(out, w, x, qtype):
     s = np.full((T + NT - 1) // NT * NT, -1, np.int64)
     s[:T] = np.arange(T)
     Xa = prepare_x(x, s, group_size(qtype))
-    jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, numba.get_num_threads())
-    gemm(out, w[None], qtype, Xa, s, jobs, numba.get_num_threads())
+    n_threads = numba.get_num_threads()
+    jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, n_threads)
+    gemm(out, w[None], qtype, Xa, s, jobs, n_threads)
 
 
 @njit(cache=True, error_model="numpy")

@@ -87,6 +87,12 @@ def expert_items_per_thread():
     return EXPERT_ITEMS_PER_THREAD if numba.get_num_threads() >= EXPERT_SPLIT_MIN_THREADS else 1
 
 
+def expert_item_rows(M, row_bytes, n_tokens, qtype=None):
+    """item_rows for expert products (_mul_mat_id_vec, fused.down_combine): finer items from
+    EXPERT_SPLIT_MIN_THREADS threads on, for work_queue to share out."""
+    return item_rows(M, row_bytes, n_tokens, qtype, expert_items_per_thread())
+
+
 # Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
 # error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
 # exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
@@ -438,7 +444,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     gemm = batched_int8(qtype)
     many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
-        step = item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype, expert_items_per_thread())
+        step = expert_item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
         _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE,
                         numba.get_num_threads())
         return
