@@ -171,8 +171,8 @@ class Backend:
 
 class CPUBackend(Backend):
     name = "CPU"
-    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "experts", "attn_block",
-                  "ffn_block", "moe_block")
+    fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
+                  "moe_block")
 
     def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
@@ -226,26 +226,6 @@ class CPUBackend(Backend):
         int8, threads = mm._int8(qtype), numba.get_num_threads      # workers: the threads at call time
         return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step, threads()),
                                 "MUL_MAT_ID+MOE_COMBINE")]
-
-    def _bind_experts(self, members, buf, state):
-        gate, up, glu, down, combine = members
-        _, wg, x, ids, qg = self.mul_mat_id_operands(gate, buf)
-        wu = self.mul_mat_id_operands(up, buf)[1]
-        _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
-        out, wts = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]])
-        act, mm, fused = _act(self.fused, glu), self.mm, self.fused
-        qtypes, int8s, steps = self._expert_products(wg, wd, ids, qg, qd)
-        return [None] * 4 + [_labelled(
-            lambda: fused.experts(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act),
-            "MUL_MAT_ID+GLU+MOE_COMBINE")]
-
-    def _expert_products(self, wg, wd, ids, qg, qd):
-        """(qtypes, int8s, steps) of fused.experts' two products: work items as the unfused
-        glu_id and down_combine groups pick them."""
-        mm, T, A = self.mm, ids.shape[0], ids.shape[1]
-        steps = (mm.expert_item_rows(wg.shape[1], wg.shape[2], T, qg),
-                 mm.expert_item_rows(wd.shape[1], A * wd.shape[2], T, qd))
-        return (qg, qd), (mm._int8(qg), mm._int8(qd)), steps
 
     # -- whole blocks, one token (cpu/blocks.py) ---------------------------------------------
     def _vec_product(self, node, buf, rows=None):
@@ -314,8 +294,11 @@ class CPUBackend(Backend):
         _, wg, _, ids, qg = self.mul_mat_id_operands(gate, buf)
         wu = self.mul_mat_id_operands(up, buf)[1]
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
-        qtypes, int8s, steps = self._expert_products(wg, wd, ids, qg, qd)
-        qtypes, int8s, steps = (pr[1],) + qtypes, (pr[2],) + int8s, (pr[3],) + steps
+        A, mm = ids.shape[1], self.mm
+        # work items as the unfused glu_id and down_combine groups pick them
+        steps = (pr[3], mm.expert_item_rows(wg.shape[1], wg.shape[2], 1, qg),
+                 mm.expert_item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
+        qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
         norms = (self.vector(norm.weight),) + self._norm_vectors([post])
         x, h, logits, f = (_rows2d(buf[n]) for n in (norm.srcs[0], norm.out, router.out, comb.out))
         wts, wr = buf[topk.out], pr[0]
@@ -324,7 +307,7 @@ class CPUBackend(Backend):
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
             act, norm_topk, threads()), "MOE_BLOCK")
-        step.regions = _region(pr) + 1                  # [router], the experts (fused.experts)
+        step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 
     def alloc(self, shape, dtype):

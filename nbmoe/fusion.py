@@ -9,7 +9,6 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
-  experts       glu_id, then down_combine of its GLU (the CPU: one parallel region)  T <= 8
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, TOPK_MOE of it          T = 1
                 (route_ok(norm, router, topk): the backend's kernel takes them)
@@ -84,16 +83,10 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             and n2.op == "TOPK_MOE" and n2.srcs == (n1.out,) and n1.cause == "wgt"
             and n1.backend == n2.backend == backend and route_ok(n0, n1, n2)):
         return "norm_route", [n0, n1, n2]
-    # gate, up, GLU (dense or experts) [experts: then down and the weighted sum]
+    # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
         if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
                 and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
-            n3, n4 = at(3), at(4)
-            if (kind == "glu_id" and "experts" in kinds and n4 is not None
-                    and _product(n3, op, backend, vec_ok) and n3.srcs == (n2.out, n0.srcs[1])
-                    and n3.params.get("slots") == n0.params.get("slots")
-                    and n4.op == "MOE_COMBINE" and n4.backend == backend and n4.srcs[0] == n3.out):
-                return "experts", [n0, n1, n2, n3, n4]
             return kind, [n0, n1, n2]
     # products of one input
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):

@@ -5,7 +5,6 @@ import pytest
 
 import nbmoe
 from nbmoe import fusion
-from nbmoe.backend import CPUBackend
 from nbmoe.cpu import matmul
 
 MOE = dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=64,
@@ -22,23 +21,17 @@ def decode(path, **kw):
 
 
 @pytest.mark.parametrize("int8", [True, False])
-@pytest.mark.parametrize("shape", ["moe", "moe-split", "dense"])
+@pytest.mark.parametrize("shape", ["moe", "dense"])
 def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
-    """moe: a layer's experts in one group (fused.experts); moe-split: without that kind,
-    gate/up/GLU and down + weighted sum as two groups (glu_id, down_combine)."""
     if int8 and not matmul.HAS_VNNI:
         pytest.skip("the 8-bit path is off without VNNI")
     monkeypatch.setattr(matmul, "INT8_DOT", int8)
     monkeypatch.setattr(fusion, "BLOCKS", False)      # the per-node groups (blocks: below)
-    if shape == "moe-split":
-        kinds = tuple(k for k in CPUBackend.fuse_kinds if k != "experts")
-        monkeypatch.setattr(CPUBackend, "fuse_kinds", kinds)
-    path = (tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0") if shape != "dense"
+    path = (tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0") if shape == "moe"
             else tiny_model(**DENSE, default_type="Q4_1"))
     fused, llm = decode(path)
     kinds = {k for k, _ in llm.backends["CPU"]._groups.values()}
-    assert kinds == {"moe": {"products", "experts"}, "moe-split": {"products", "glu_id", "down_combine"},
-                     "dense": {"products", "glu"}}[shape]
+    assert kinds == ({"products", "glu_id", "down_combine"} if shape == "moe" else {"products", "glu"})
     labels = {op for _, op in llm.plan(1, 1).labels}
     assert "MUL_MAT_ID" not in labels and "GLU" not in labels and "MOE_COMBINE" not in labels
     monkeypatch.setattr(fusion, "ENABLED", False)
@@ -53,7 +46,7 @@ def test_cpu_groups_on_repacked_weights(tiny_model, monkeypatch):
     monkeypatch.setattr(fusion, "BLOCKS", False)
     path = tiny_model(**{**MOE, "n_ff_exp": 96}, types=[("exps", "Q4_0")], default_type="Q8_0")
     fused, llm = decode(path, repack=True)
-    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "experts"}
+    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "glu_id", "down_combine"}
     monkeypatch.setattr(fusion, "ENABLED", False)
     plain, _ = decode(path, repack=True)
     for a, b in zip(fused, plain):

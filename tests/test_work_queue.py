@@ -1,6 +1,5 @@
 """work_queue: every item runs exactly once, own share first, then the other shares in turn;
-the expert products give the same bits for any number of workers, fused into one region
-(fused.experts) or not."""
+the expert products give the same bits for any number of workers."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -69,10 +68,6 @@ def test_expert_products_same_bits_for_any_worker_count(name):
         out = np.zeros((T, F), np.float32)
         fused.down_combine(out, w, g, ids, wts, qt, int8, 6, n_workers)
         results.append((g, out))
-        g, out = np.zeros((T, A, F), np.float32), np.zeros((T, F), np.float32)   # one region
-        fused._experts(out, g, w, w, w, x, ids, wts, (qt, qt), (int8, int8), (4, 6),
-                       matmul.ACT_SILU, n_workers)
-        results.append((g, out))
     for g, out in results[1:]:
         assert np.array_equal(g, results[0][0]) and np.array_equal(out, results[0][1])
     deq = dequantize(w, qt).astype(np.float64)              # [E, F, F]
@@ -94,35 +89,3 @@ def test_expert_items_per_thread_follow_the_thread_count(monkeypatch):
         assert matmul.expert_items_per_thread() == per
         rows = matmul.expert_item_rows(2048, 432, 1)              # Q4_0 768-wide expert rows
         assert rows == 2048 // (threads * per) == matmul.item_rows(2048, 432, 1, None, per)
-
-
-@pytest.mark.parametrize("T", [1, 3])
-def test_experts_in_one_region_equal_the_two_regions(T):
-    """fused.experts (gate/up/GLU and down + weighted sum in one parallel region; here gate/up
-    Q4_0 on the float path, down Q8_0 on the integer path, GELU) against glu_id and
-    down_combine, every worker count; the first worker count also against float64."""
-    rng = np.random.default_rng(11)
-    E, F, D, A = 5, 96, 64, 2
-    q4, q8 = int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q8_0)
-    wg, wu = (np.stack([quantize(rng.standard_normal((F, D), dtype=np.float32), q4) for _ in range(E)])
-              for _ in range(2))
-    wd = np.stack([quantize(rng.standard_normal((D, F), dtype=np.float32), q8) for _ in range(E)])
-    for w in (wg, wu, wd):
-        w.flags.writeable = False
-    x = rng.standard_normal((T, 1, D), dtype=np.float32)
-    ids = rng.permuted(np.tile(np.arange(E, dtype=np.int32), (T, 1)), axis=1)[:, :A].copy()
-    wts = rng.random((T, A), dtype=np.float32)
-    g0, out0 = np.zeros((T, A, F), np.float32), np.zeros((T, D), np.float32)
-    matmul._mul_mat_id_vec(g0, wg, x, ids, q4, ids.size + 1, False, 32, wu, matmul.ACT_GELU, 2)
-    fused.down_combine(out0, wd, g0, ids, wts, q8, True, 16, 2)
-    for n_workers in (1, 2, 3, 16):
-        g, out = np.zeros((T, A, F), np.float32), np.zeros((T, D), np.float32)
-        fused._experts(out, g, wg, wu, wd, x, ids, wts, (q4, q8), (False, True), (32, 16),
-                       matmul.ACT_GELU, n_workers)
-        assert np.array_equal(g, g0) and np.array_equal(out, out0)
-    dg, du, dd = (dequantize(w, q).astype(np.float64) for w, q in ((wg, q4), (wu, q4), (wd, q8)))
-    gelu = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
-    for t in range(T):
-        ref = sum(wts[t, a] * (dd[e] @ (gelu(dg[e] @ x[t, 0]) * (du[e] @ x[t, 0])))
-                  for a, e in enumerate(ids[t]))
-        assert np.abs(out0[t] - ref).max() <= 2e-2 * np.abs(ref).max()

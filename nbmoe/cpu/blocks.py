@@ -8,9 +8,9 @@ each a lambda and a Numba dispatch of ~0.5-2 us. These functions run the nodes o
 function, calling the kernels those nodes bind to (rms_norm, the fused products, rope,
 store_kv + attention, topk_route, add), so the results are bit-identical to the unfused
 steps; a token is then 63 steps. They are serial glue: the products inside open their own
-parallel regions (q/k/v, o; gate/up/GLU, down; a MoE layer's experts in one: 2 + 2 or 2 + 1 a
-layer; a MoE router is small enough to run on the calling thread, matmul.SERIAL_MAX_BYTES),
-and the small row ops between them run on the calling thread, as they do unfused at T = 1.
+parallel regions (q/k/v, o; gate/up/GLU, down: 2 + 2 a layer; a MoE router is small enough
+to run on the calling thread, matmul.SERIAL_MAX_BYTES), and the small row ops between them
+run on the calling thread, as they do unfused at T = 1.
 
 Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
 as matmul's matrix-vector kernels take them. Absent optional norms are empty arrays.
@@ -19,8 +19,8 @@ from numba import njit
 
 from . import attention as attn
 from . import moe, ops
-from .fused import _experts, glu
-from .matmul import _products, mat_vec
+from .fused import down_combine, glu
+from .matmul import _mul_mat_id_vec, _products, mat_vec
 
 
 @njit(cache=True, error_model="numpy")
@@ -88,7 +88,8 @@ def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, 
     ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
     mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
     moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
-    _experts(f, g, wg, wu, wd, h.reshape(1, 1, h.shape[1]), ids, wts, qtypes[1:], int8s[1:],
-             steps[1:], act, n_workers)                               # [1, D]: fused.experts
+    _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], ids.size + 1, int8s[1],
+                    steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
+    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2], n_workers)    # [1, D]
     _norm_if(f, post_norm, eps)
     ops.add(x, x, f)

@@ -11,7 +11,6 @@ for the GPU, and the CPU backend binds them to these (matrix-vector path, T < BL
   glu_id        the same for each (token, chosen expert) pair, grouped by expert as mul_mat_id
   down_combine  out[t] = sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): an item is a run
                 of output rows; it dots every chosen expert's rows and sums in order a
-  experts       glu_id, then down_combine of its output, in one parallel region
 
 Each product row is the one matmul's kernels compute (same x preparation, same row dots), so
 the results equal the unfused nodes' (the GLU and the weighted sum in the same order).
@@ -21,10 +20,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _expert_rows, _glu_rows,  # noqa: F401
-                     _group_by_expert, _mul_mat_id_vec, _prepare_x, _prepare_x_row, _products,
-                     _x_buffers)
-from .work_queue import WORDS, fetch_add, new_queue, next_item, wait_until
+from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, _prepare_x,  # noqa: F401
+                     _products)
+from .work_queue import new_queue, next_item
 
 
 # ---------------------------------------------------------------- products
@@ -87,83 +85,17 @@ def down_combine(out, w, x, ids, wts, qtype, int8, step, n_workers):
     for worker in prange(n_workers):
         item = next_item(queue, worker)
         while item >= 0:
-            r0 = item * step
-            _down_rows(out, w, xf, ids, wts, qtype, int8, xsum, xi, r0, min(M, r0 + step))
+            r0, r1 = item * step, min(M, (item + 1) * step)
+            y = np.empty(r1 - r0, np.float32)
+            for t in range(T):
+                o = out[t, r0:r1]
+                for a in range(A):
+                    _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+                    wa = wts[t, a]
+                    if a == 0:
+                        for i in range(r1 - r0):
+                            o[i] = wa * y[i]
+                    else:
+                        for i in range(r1 - r0):
+                            o[i] += wa * y[i]
             item = next_item(queue, worker)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _down_rows(out, w, xf, ids, wts, qtype, int8, xsum, xi, r0, r1):
-    """out[:, r0:r1] of down_combine (xf [T * A, K] prepared by _prepare_x)."""
-    T, A = ids.shape
-    y = np.empty(r1 - r0, np.float32)
-    for t in range(T):
-        o = out[t, r0:r1]
-        for a in range(A):
-            _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
-            wa = wts[t, a]
-            if a == 0:
-                for i in range(r1 - r0):
-                    o[i] = wa * y[i]
-            else:
-                for i in range(r1 - r0):
-                    o[i] += wa * y[i]
-
-
-# ---------------------------------------------------------------- experts (glu_id + down_combine)
-# A decoding token's whole expert work in one parallel region instead of two: glu_id's items
-# (g [T, A, F] = the GLU of each pair), then down_combine's (out [T, D]). Between them, each
-# pair's GLU row must be complete and quantized for the down product: the worker that
-# finishes an expert's last run of rows prepares that expert's rows of g (so it overlaps the
-# other experts' products), and a worker starts on the down items once every expert is
-# prepared (work_queue.wait_until). Saved against two regions: a fork and join of the thread
-# pool and the down product's x preparation on one thread (16 threads: ~7 + 5-8 us a layer).
-# Same items and row dots as glu_id and down_combine: the results are bit-identical.
-#   done [(n_used + 1) * WORDS]: done[j * WORDS] = runs finished of chosen expert j,
-#   done[n_used * WORDS] = experts whose rows of g are prepared
-
-def experts(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act):
-    """out [T, D] = sum_a wts[t, a] * (act(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)) @ Wd[e]^T,
-    e = ids[t, a]; g [T, A, F] receives the GLU rows. qtypes, int8s, steps: (gate/up, down)."""
-    _experts(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act, numba.get_num_threads())
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _experts(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act, n_workers):
-    (qg, qd), (int8g, int8d), (step_g, step_d) = qtypes, int8s, steps
-    E, F = wg.shape[0], wg.shape[1]
-    T, X, K = x.shape
-    A, D = ids.shape[1], wd.shape[1]
-    order, start = _group_by_expert(ids, E)
-    xf = x.reshape(T * X, K)
-    xsum, xi = _prepare_x(xf, int8g, qg)
-    gf = g.reshape(T * A, F)
-    gsum, gi = _x_buffers(T * A, F, int8d, qd)
-    n_used = 0
-    used = np.empty(E, np.int64)
-    for e in range(E):
-        if start[e + 1] > start[e]:
-            used[n_used] = e
-            n_used += 1
-    n_runs = (F + step_g - 1) // step_g
-    glu_queue = new_queue(n_used * n_runs, n_workers)
-    down_queue = new_queue((D + step_d - 1) // step_d, n_workers)
-    done = np.zeros((n_used + 1) * WORDS, np.int64)
-    for worker in prange(n_workers):
-        item = next_item(glu_queue, worker)
-        while item >= 0:
-            j, r0 = item // n_runs, item % n_runs * step_g
-            e = used[j]
-            _expert_rows(g, wg, wu, xf, qg, int8g, act, xsum, xi, order, start, e, r0,
-                         min(F, r0 + step_g))
-            if fetch_add(done, j * WORDS, 1) == n_runs - 1:       # expert e's last run
-                for p in range(start[e], start[e + 1]):
-                    _prepare_x_row(gf, order[p], gsum, gi, int8d, qd)
-                fetch_add(done, n_used * WORDS, 1)
-            item = next_item(glu_queue, worker)
-        wait_until(done, n_used * WORDS, n_used)
-        item = next_item(down_queue, worker)
-        while item >= 0:
-            r0 = item * step_d
-            _down_rows(out, wd, gf, ids, wts, qd, int8d, gsum, gi, r0, min(D, r0 + step_d))
-            item = next_item(down_queue, worker)

@@ -162,15 +162,7 @@ def int8_path(qtype, n_tokens):
 
 @njit(cache=True, error_model="numpy")
 def _prepare_x(x, int8, qtype):
-    xsum, xi = _x_buffers(x.shape[0], x.shape[1], int8, qtype)
-    for n in range(x.shape[0]):
-        _prepare_x_row(x, n, xsum, xi, int8, qtype)
-    return xsum, xi
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _x_buffers(N, K, int8, qtype):
-    """_prepare_x's arrays for N rows of K values, unfilled (xsum zeroed)."""
+    N, K = x.shape
     B = K // 32
     repacked = qtype in R16_TYPES
     qt = base_of(qtype) if repacked else qtype
@@ -182,29 +174,21 @@ def _x_buffers(N, K, int8, qtype):
     xb = np.empty((N, nb), np.int32)
     scales = qt == Q4_1 or qt == Q5_1 or qtype == Q4_K_R16 or qtype == IQ4_XS_R16
     xds = np.empty((N, 2 * B if int8 and scales else 0), np.float32)
+    for n in range(N):
+        if int8:
+            quantize_x(xq[n], xd[n], xs[n], x[n])
+            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
+            if qtype == Q4_K_R16:
+                prepare_xk(xds[n], xd[n], xs[n])
+            elif qtype == IQ4_XS_R16:
+                prepare_xk_xs(xds[n], xd[n])
+            if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
+                block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
+        else:
+            for b in range(B):
+                for i in range(32):
+                    xsum[n, b] += x[n, b * 32 + i]
     return xsum, (xq, xd, xs, xb, xds)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _prepare_x_row(x, n, xsum, xi, int8, qtype):
-    """Row n of _prepare_x's arrays from x[n]."""
-    if int8:
-        xq, xd, xs, xb, xds = xi
-        repacked = qtype in R16_TYPES
-        qt = base_of(qtype) if repacked else qtype
-        quantize_x(xq[n], xd[n], xs[n], x[n])
-        prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
-        if qtype == Q4_K_R16:
-            prepare_xk(xds[n], xd[n], xs[n])
-        elif qtype == IQ4_XS_R16:
-            prepare_xk_xs(xds[n], xd[n])
-        if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
-            B = xd.shape[1]
-            block_biases(xb[n, xb.shape[1] - B:], xq[n], level_bias(qt))
-    else:
-        for b in range(xsum.shape[1]):
-            for i in range(32):
-                xsum[n, b] += x[n, b * 32 + i]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -420,23 +404,6 @@ def _glu_rows(out, g, u, act):
         _geglu_row(out, g, u)
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _expert_rows(out, w, wu, xf, qtype, int8, act, xsum, xi, order, start, e, r0, r1):
-    """out[t, a, r0:r1] for each pair (t, a) that chose expert e (order, start: _group_by_expert;
-    xf [T * X, K] prepared by _prepare_x, X = 1 or A): its product, or with act its GLU."""
-    A, X = out.shape[1], xf.shape[0] // out.shape[0]
-    g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-    u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-    for p in range(start[e], start[e + 1]):
-        t, a = order[p] // A, order[p] % A
-        n = t * X + (a if X == A else 0)
-        o = out[t, a, r0:r1]
-        _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
-        if act != ACT_NONE:
-            _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
-            _glu_rows(o, g, u, act)
-
-
 @njit(parallel=True, cache=True, error_model="numpy")
 def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_workers):
     E, M = w.shape[0], w.shape[1]
@@ -456,9 +423,19 @@ def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_work
     for worker in prange(n_workers):
         item = next_item(queue, worker)
         while item >= 0:
+            e = used[item // n_runs]
             r0 = item % n_runs * step
-            _expert_rows(out, w, wu, xf, qtype, int8, act, xsum, xi, order, start,
-                         used[item // n_runs], r0, min(M, r0 + step))
+            r1 = min(M, r0 + step)
+            g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+            u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+            for p in range(start[e], start[e + 1]):
+                t, a = order[p] // A, order[p] % A
+                n = t * X + (a if X == A else 0)
+                o = out[t, a, r0:r1]
+                _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
+                if act != ACT_NONE:
+                    _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+                    _glu_rows(o, g, u, act)
             item = next_item(queue, worker)
 
 

@@ -14,10 +14,6 @@ advance with an atomic add, so an item is run exactly once whoever takes it.
     (eight words per worker: each counter on a cache line of its own, so the counters that
     threads advance do not bounce a shared line between cores)
 
-A worker may wait (wait_until) for items that have been taken, never for items not yet
-taken: a worker only takes an item it runs at once, so every taken item finishes whatever
-the threads are doing, and the wait ends even if prange ran two workers on one thread.
-
 Usage (W = numba.get_num_threads(), passed in from Python: called inside a kernel it makes
 the kernel uncacheable, as Numba embeds a pointer for it; prange gives each worker index to
 one thread, and with any other assignment every item still runs once):
@@ -29,12 +25,8 @@ one thread, and with any other assignment every item still runs once):
             ...                                   # run the item
             item = next_item(queue, w)
 """
-import platform
-
 import numpy as np
-from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 WORDS = 8   # int64 words per worker: 64 bytes
@@ -48,40 +40,6 @@ def fetch_add(typingctx, arr, i, v):
         a = context.make_array(sig.args[0])(context, b, args[0])
         return b.atomic_rmw("add", b.gep(a.data, [args[1]]), args[2], "seq_cst")
     return types.int64(arr, types.int64, types.int64), codegen
-
-
-@intrinsic
-def load_acquire(typingctx, arr, i):
-    """arr[i] read as an atomic load: a loop polling it reads memory every turn (a plain load
-    may be hoisted out of the loop), and what was written before the matching atomic add is
-    visible after it (int64 arrays only)."""
-    def codegen(context, b, sig, args):
-        a = context.make_array(sig.args[0])(context, b, args[0])
-        return b.load_atomic(b.gep(a.data, [args[1]]), "acquire", 8)
-    return types.int64(arr, types.int64), codegen
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-
-
-@intrinsic
-def spin_pause(typingctx):
-    """x86 `pause` (a spin-wait hint: the core backs off and its sibling thread runs);
-    nothing elsewhere."""
-    def codegen(context, b, sig, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            b.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@njit(cache=True, inline="always")
-def wait_until(arr, i, target):
-    """Spin until arr[i] >= target (a counter other workers advance with fetch_add)."""
-    while load_acquire(arr, i) < target:
-        spin_pause()
 
 
 @njit(cache=True)
