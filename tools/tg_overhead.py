@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nbmoe  # noqa: E402
 from nbmoe import fusion  # noqa: E402
+from nbmoe.cli_common import resolve_model  # noqa: E402
 from nbmoe.scheduler import new_timing_table  # noqa: E402
 
 MODES = {"nodes": False, "blocks": True}     # fusion.BLOCKS per mode
@@ -67,7 +68,7 @@ def run_tokens(llm, n):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", help="GGUF file")
+    ap.add_argument("-m", "--model", help="GGUF file (default: the built-in default model)")
     ap.add_argument("--tiny-like", metavar="GGUF", help="measure a tiny model shaped like this one")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default: 2)")
     ap.add_argument("-n", "--n-gen", type=int, default=64, help="tokens per run (default: 64)")
@@ -78,7 +79,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
-    path = tiny_like(args.tiny_like) if args.tiny_like else args.model
+    path = tiny_like(args.tiny_like) if args.tiny_like else resolve_model(args.model)
     llm = nbmoe.load(path, n_ctx=args.n_gen + 1, threads=args.threads)
     numba.set_num_threads(args.threads)
     plans = {}
