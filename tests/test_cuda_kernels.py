@@ -449,6 +449,21 @@ def test_attention_split(window, pos0, keys, most, small, monkeypatch):
     check("attention split", out.copy_to_host(), ref)
 
 
+@pytest.mark.parametrize("pos0", [40, 44])
+def test_attention_one_split_many_keys(pos0, small, monkeypatch):
+    """T = 1, one split (no key splits in the grid) walking 41 / 45 keys: a whole tile of 32
+    and a second one whose last batch of 8 (key_sums8) is partial; lanes past the keys must
+    weigh 0."""
+    monkeypatch.setattr(att, "SPLIT_KEYS", 64)         # cap 48 < 2 * 64: P = 1
+    H, Hkv, Dh = 4, 2, 32
+    q, kc, vc, k_all, v_all = _attn_case(1, H, Hkv, Dh, pos0, C=48, seed=pos0)
+    q *= 2
+    ref = naive.attention(q, k_all, v_all, pos0, 0.2, 0)
+    out = poisoned(q.shape)
+    att.attention(out, dev(q), kc, vc, pos0, 0.2)
+    check("attention, 41-45 keys in one split", out.copy_to_host(), ref)
+
+
 def test_attention_first_token_is_v(small):
     """At position 0 a token sees only itself: out = v (as stored in f16)."""
     q, kc, vc, k_all, v_all = _attn_case(1, 2, 1, 16, 0, C=4)

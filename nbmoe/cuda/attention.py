@@ -14,7 +14,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, warp_max, warp_sum
+from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, shfl_xor, warp_max, warp_sum
 from .matmul import quantize_lane, unused_x8
 
 f32 = np.float32
@@ -106,8 +106,8 @@ def active_splits(n, P, min_keys):
 # j <= pos0 + t and (window == 0 or j > pos0 + t - window).
 # One warp per (token, query head), HEADS_PER_BLOCK heads a block, grid (T, H / heads, P).
 # Lane l holds dims l, l + 32, ... (DPL = ceil(Dh / 32) of them) of q (pre-scaled) and of the
-# output accumulator. Keys in tiles of 32: a score per key by a warp sum over coalesced row
-# loads (lane jj keeps key jj's), then an online-softmax step per tile (max, rescale, one exp
+# output accumulator. Keys in tiles of 32: a score per key summed over the warp from coalesced
+# row loads (key_sums8, 8 keys at a time; lane jj keeps key jj's), then an online-softmax step per tile (max, rescale, one exp
 # per lane), then the tile's values weighted by each key's p (broadcast by a shuffle). Keys go
 # KU at a time: their rows' loads first, then the sums (or products), so a warp waits for
 # memory once per KU keys, not once per key (decoding has one warp per head in the grid).
@@ -132,8 +132,35 @@ def active_splits(n, P, min_keys):
 # position that another block writes. One launch less a layer.
 # NBMOE_NO_ROPE_ATTN=1: decoding keeps the separate norm_rope_store launch (A/B timings).
 ROPE_IN_ATTENTION = os.environ.get("NBMOE_NO_ROPE_ATTN", "") != "1"
-KU = 8
+KU = 8                              # (key_sums8 sums exactly 8)
 ROPE_HEADS = 8                      # rows of the shared scratch: warps a block (HEADS_PER_BLOCK)
+
+
+# The scores of a batch of 8 keys: each lane holds its part of every key's dot (sc[u], its
+# dims of q . k_u); the warp must add each over its 32 lanes. Eight warp sums take 8 x 5
+# shuffles in a chain. Transposed, each shuffle carries a different key's part: over lane bit
+# 2 a lane keeps keys 0-3 or 4-7 (by its bit) and sends the other four to its partner (4
+# shuffles), over bit 1 two of those (2), over bit 0 one (1); then the lane's one key is
+# summed over bits 3 and 4 (2): 9 shuffles, and lane L holds key (L % 8)'s whole score.
+#   after bit 2: r_i = key 4 b2 + i      (lanes L, L ^ 4 added)
+#   after bit 1: q_i = key 4 b2 + 2 b1 + i
+#   after bit 0: s   = key L % 8         (8 lanes added), then + over L ^ 8, L ^ 16
+
+@device_fn
+def key_sums8(sc, lane):
+    """Lane L: the warp sum of sc[L % 8] (sc: 8 values a lane)."""
+    b = (lane >> 2) & 1
+    r0 = (sc[4] if b else sc[0]) + shfl_xor(sc[0] if b else sc[4], 4)
+    r1 = (sc[5] if b else sc[1]) + shfl_xor(sc[1] if b else sc[5], 4)
+    r2 = (sc[6] if b else sc[2]) + shfl_xor(sc[2] if b else sc[6], 4)
+    r3 = (sc[7] if b else sc[3]) + shfl_xor(sc[3] if b else sc[7], 4)
+    b = (lane >> 1) & 1
+    q0 = (r2 if b else r0) + shfl_xor(r0 if b else r2, 2)
+    q1 = (r3 if b else r1) + shfl_xor(r1 if b else r3, 2)
+    b = lane & 1
+    v = (q1 if b else q0) + shfl_xor(q0 if b else q1, 1)
+    v += shfl_xor(v, 8)
+    return v + shfl_xor(v, 16)
 
 
 def _attention_kernel(Dh, ROPE=False):
@@ -232,10 +259,9 @@ def _attention_kernel(Dh, ROPE=False):
                 sc = cuda.local.array(KU, f32)
                 for u in range(KU):
                     sc[u] = q_dot(qv, k_cache, kb + min(j1 + u, nk - 1) * row, lane)
-                for u in range(KU):
-                    s = warp_sum(sc[u])
-                    if lane == j1 + u and j1 + u < nk:
-                        s_mine = s
+                s = key_sums8(sc, lane)            # key j1 + lane % 8's (j1: a multiple of 8)
+                if j1 <= lane and lane < j1 + KU and lane < nk:
+                    s_mine = s
             m_new = max(m, warp_max(s_mine))
             pj = expf(s_mine - m_new)              # 0 for lanes past the tile
             corr = expf(m - m_new)                 # 0 on the first tile (m = -inf)
