@@ -520,10 +520,17 @@ class CUDABackend(Backend):
         D, mm = x.shape[1], self.mm
         flag, fused = topk.params["norm"], self.fused
         self._last = ("x8", (id(buf), norm.out), 1, D)   # the experts' products: h in 8 bits
+        # what the CPU reads next (hybrid): also written to its mapped host buffers (a buffer
+        # that is not mirrored gets its device copy written twice over: the same bits)
+        mirrors = getattr(buf, "mirrors", {})
+        names = [n for n in (norm.out, topk.params["also_writes"][0], topk.out) if n in mirrors]
+        mirror = (_rows2d(mirrors.get(norm.out, h)), mirrors.get(topk.params["also_writes"][0], ids),
+                  mirrors.get(topk.out, wts)) if names else None
 
         def run():
             xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
-            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag)
+            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror)
+        run.mirrors = names
         return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
 
     def _bind_rope_attn(self, members, buf, state):

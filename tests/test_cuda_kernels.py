@@ -518,7 +518,8 @@ def test_norm_route(D, E, name, small):
     E = 40: two logits a lane, 5 and 3 blocks of 8 warps with split-K S = 1, 2 on the small
     fixture's MMV_WARPS = 2): h, its 8-bit form, logits, ids and weights equal the separate
     launches bit for bit, and h, ids match the float64 reference. Run twice: the block
-    counter is reset for the next launch."""
+    counter is reset for the next launch; the second run also writes h, ids and weights to
+    mirror arrays (as the scheduler's mapped host buffers), which get the same bits."""
     from nbmoe.cuda import fused
     A = 3
     x, wn = rnd(1, D, seed=D, scale=2.0), rnd(D, seed=E)
@@ -532,13 +533,15 @@ def test_norm_route(D, E, name, small):
     moe.topk_route(ids_want, w_want, lg_want, True)
     xq, xds = matmul._quantize_x(h_want, 1, D, 0)
     q_want, ds_want = xq.copy_to_host()[:D // 4], xds.copy_to_host()[:D // 16]
-    for _ in range(2):
+    for run in range(2):
         xq, xds = matmul.x8_buffers(1, D)
         xq.copy_to_device(np.full(xq.shape, -7, np.int32))
         h, lg = poisoned((1, D)), poisoned((1, E))
         ids, w = poisoned((1, A), np.int32), poisoned((1, A))
-        fused.norm_route(h, xq, xds, dx, dwn, 1e-6, dwr, int(Q[name]), lg, ids, w, True)
-        for got, want in ((h, h_want), (lg, lg_want), (ids, ids_want), (w, w_want)):
+        mirror = (poisoned((1, D)), poisoned((1, A), np.int32), poisoned((1, A))) if run else None
+        fused.norm_route(h, xq, xds, dx, dwn, 1e-6, dwr, int(Q[name]), lg, ids, w, True, mirror=mirror)
+        for got, want in ((h, h_want), (lg, lg_want), (ids, ids_want), (w, w_want)) + tuple(
+                zip(mirror or (), (h_want, ids_want, w_want))):
             assert np.array_equal(got.copy_to_host(), want.copy_to_host())
         assert np.array_equal(xq.copy_to_host()[:D // 4], q_want)
         assert np.array_equal(xds.copy_to_host()[:D // 16], ds_want)

@@ -80,20 +80,25 @@ def test_hybrid_equals_cpu(model, whole, placement):
         tok = int(nxt[-1].argmax())
 
 
-def test_decode_crossings_in_mapped_memory(model):
-    """Experts in RAM, one token: the router's choices and weights and the experts' sum cross
-    through mapped host memory (the GPU kernels write / read them there, no copy step); the
-    normed x, which the GPU's q/k/v products also read, and the residual stream are copied."""
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0)
+@pytest.mark.parametrize("zce", [0, 1])
+def test_decode_crossings_in_mapped_memory(model, zce):
+    """Experts in RAM, one token: the router's choices and weights, the normed x and the
+    experts' sum cross through mapped host memory, no copy step a layer. The GPU kernels
+    read / write the ones only they use there (mapped_crossings); norm_route writes the ones
+    the GPU reads too (the normed x for its products; with -zce the choices for its share of
+    the experts) to both memories (mirror_candidates). Copied: the token's embedding and
+    position in, and the residual stream (the simulator's output layer is on the CPU) or the
+    logits out."""
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=zce)
     plan = llm.plan(1, 1)
-    mapped = {c.buffer for c in plan.copies if c.mapped}
-    assert mapped == {"expert_ids", "expert_weights", "ffn_out"}
-    assert "h" in {c.buffer for c in plan.copies if not c.mapped}
+    assert {c.buffer for c in plan.copies if c.mapped} == {"expert_ids", "expert_weights", "ffn_out", "h"}
+    out = "x" if KEEP_OUTPUT else "logits"          # (the output layer's input or output)
+    assert sorted(c.buffer for c in plan.copies if not c.mapped) == sorted(["pos", "x", out])
     assert not any(c.mapped for c in llm.plan(9, 1).copies)     # prompts: no graphs, copies
 
 
 def test_decode_split_copies_together(model):
-    """Experts in RAM: each layer's GPU split ends with every copy its CPU split reads (the
+    """Experts in RAM: each layer's GPU split ends with every value its CPU split reads (the
     router's ids and weights, the normed x), so a decode token makes one CUDA graph a layer."""
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0)
     plan = llm.plan(1, 1)

@@ -230,7 +230,7 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
     def build():
         @cuda.jit
         def norm_route_kernel(h, xq, xds, x, wn, eps, nth, wr, RB, logits, ids, weights,
-                              counter, norm, gating):
+                              counter, norm, gating, h_host, ids_host, weights_host, mirror):
             hs = cuda.shared.array(ROUTE_MAX_D, f32)
             sh = cuda.shared.array(32, f32)
             part = cuda.shared.array(8, f32)
@@ -276,6 +276,8 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
             if cuda.blockIdx.x == 0:               # h and its 8-bit form to global memory
                 for i in range(tid, n, ROUTE_THREADS):
                     h[0, i] = hs[i]
+                    if mirror:
+                        h_host[0, i] = hs[i]
                 for j0 in range(0, nw, ROUTE_THREADS):
                     j = min(j0 + tid, nw - 1)      # lanes past the row: the last word, not written
                     quantize_word(xq, xds, j, j0 + tid < nw, hs[4 * j], hs[4 * j + 1],
@@ -314,6 +316,9 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
                     lv = cuda.local.array(EPL, f32)
                     taken = cuda.local.array(EPL, i32)
                     topk_warp(ids, weights, logits, 0, True, lane, lv, taken, norm, gating)
+                    if mirror and lane < ids.shape[1]:    # this lane's own writes, read back
+                        ids_host[0, lane] = ids[0, lane]
+                        weights_host[0, lane] = weights[0, lane]
                 if tid == 0:
                     counter[0] = 0
         return norm_route_kernel
@@ -323,10 +328,13 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
 _counters = {}
 
 
-def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0):
+def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
+               mirror=None):
     """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
     (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
-    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating)."""
+    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
+    mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
+    scheduler.mirror_candidates) that get the same values too."""
     D, E = x.shape[1], logits.shape[1]
     if x.shape[0] != 1 or D % 32 or D > ROUTE_MAX_D or ids.shape[1] > min(32, E):
         raise ValueError("norm_route: one token, D % 32 == 0, D <= ROUTE_MAX_D, A <= min(32, E)")
@@ -342,7 +350,7 @@ def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, st
     rpb = (ROUTE_THREADS // 32) // S
     _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E))[(E + rpb - 1) // rpb, ROUTE_THREADS, stream](
         h, xq, xds, x, wn, float(eps), nth, wr, wr.shape[1], logits, ids, weights,
-        _counters[key], bool(norm), GATING_SOFTMAX)
+        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None)
 
 
 def route_supported(wtype, D, E, A):

@@ -100,18 +100,27 @@ def _rms_norm_words_kernel(WPT):
             n = x.shape[1]
             nw = n // 4
             vals = cuda.local.array(VALS, f32)
-            ss = f32(0.0)
+            # every load before any store: the compiler cannot tell x from add, and a store to
+            # x between two loads of add would wait for the first (add may be mapped host
+            # memory, the CPU experts' sum: a PCIe round trip each)
             for k in range(WPT):
                 j = tid + k * nth
                 for i in range(4):
-                    v = f32(0.0)
-                    if j < nw:
-                        v = x[r, 4 * j + i]
-                        if do_add:
-                            v += add[r, 4 * j + i]
-                            x[r, 4 * j + i] = v
-                    vals[4 * k + i] = v
-                    ss += v * v
+                    vals[4 * k + i] = x[r, 4 * j + i] if j < nw else f32(0.0)
+            if do_add:
+                for k in range(WPT):
+                    j = tid + k * nth
+                    for i in range(4):
+                        if j < nw:
+                            vals[4 * k + i] += add[r, 4 * j + i]
+                for k in range(WPT):
+                    j = tid + k * nth
+                    for i in range(4):
+                        if j < nw:
+                            x[r, 4 * j + i] = vals[4 * k + i]
+            ss = f32(0.0)
+            for k in range(4 * WPT):
+                ss += vals[k] * vals[k]
             ss = _block_sum(ss, sh)
             scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
             for k in range(WPT):
