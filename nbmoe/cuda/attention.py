@@ -171,7 +171,8 @@ def _attention_kernel(Dh, ROPE=False):
     if k_ is not None:
         return k_
     from .fused import head_rope_fns
-    norm_to_shared, rope_from_shared = head_rope_fns(Dh)
+    norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
+    NEW = SPLIT_MAX_T * DPL         # the batch's new key and value rows, a lane's dims
 
     @device_fn
     def q_dot(qv, cache, rb, lane):
@@ -218,12 +219,31 @@ def _attention_kernel(Dh, ROPE=False):
             sh = cuda.shared.array((ROPE_HEADS, 8 * 32), f32)
             wy = cuda.threadIdx.y
             vals = cuda.local.array(DPL, f32)
+            kn = cuda.local.array(NEW, f32)
+            vn = cuda.local.array(NEW, f32)
+            wqv = cuda.local.array(DPL, f32)
+            wkv = cuda.local.array(DPL, f32)
+            cs = cuda.local.array(DPL, f32)
+            sn = cuda.local.array(DPL, f32)
+            # every load of the prologue first (q, the new keys and values in this span, the
+            # norms' weights, the rotation at pos[t]): one memory round trip, not one a step
+            pt = pos[t]                            # the position cs, sn hold
             for c in range(DPL):
                 d = lane + 32 * c
                 vals[c] = q[t, hh, d] if d < Dh else f32(0.0)
-            norm_to_shared(vals, sh, wy, lane, wq, do_norm, eps)
+            for t2 in range(q.shape[0]):
+                j = pos[t2]
+                for c in range(DPL):
+                    d = lane + 32 * c
+                    inside = a <= j and j < b and d < Dh
+                    kn[t2 * DPL + c] = k[t2, g, d] if inside else f32(0.0)
+                    vn[t2 * DPL + c] = v[t2, g, d] if inside else f32(0.0)
+            norm_weights(wqv, wq, lane, do_norm)
+            norm_weights(wkv, wk, lane, do_norm)
+            rope_coeffs(cs, sn, lane, n_rot, neox, rope, pt)
+            norm_to_shared(vals, sh, wy, lane, wqv, do_norm, eps)
             cuda.syncthreads()
-            rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, pos[t])
+            rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn)
             for c in range(DPL):
                 d = lane + 32 * c
                 qv[c] = vals[c] * scale if d < Dh and h < H else f32(0.0)
@@ -233,17 +253,19 @@ def _attention_kernel(Dh, ROPE=False):
                 if a <= j and j < b:               # the same for the whole block
                     cuda.syncthreads()             # sh: the rows above are read
                     for c in range(DPL):
-                        d = lane + 32 * c
-                        vals[c] = k[t2, g, d] if d < Dh else f32(0.0)
-                    norm_to_shared(vals, sh, wy, lane, wk, do_norm, eps)
+                        vals[c] = kn[t2 * DPL + c]
+                    norm_to_shared(vals, sh, wy, lane, wkv, do_norm, eps)
+                    if j != pt:                    # (the batch's other token: its own angles)
+                        rope_coeffs(cs, sn, lane, n_rot, neox, rope, j)
+                        pt = j
                     cuda.syncthreads()
-                    rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, j)
+                    rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn)
                     if h < H and (wy == 0 or h % G == 0):   # the block's first warp of kv head g
                         for c in range(DPL):
                             d = lane + 32 * c
                             if d < Dh:
                                 kc16[j, g, d] = np.float16(vals[c])
-                                vc16[j, g, d] = np.float16(v[t2, g, d])
+                                vc16[j, g, d] = np.float16(vn[t2 * DPL + c])
             cuda.syncthreads()                     # the new rows, seen by the whole block
         else:
             for c in range(DPL):

@@ -371,20 +371,29 @@ def route_supported(wtype, D, E, A):
 # ~12 us a layer at T = 1, and the table gives exactly the CPU's values.
 
 def head_rope_fns(Dh):
-    """(norm_to_shared, rope_from_shared): one head's row held by a warp, lane l holding dims
-    l, l + 32, ... in vals[c] (0 past Dh). norm_to_shared: [vals <- vals / sqrt(mean(vals^2)
-    + eps) * w], then vals into the warp's shared row sh[wy]; rope_from_shared: RoPE at
-    position p of the first n_rot dims, each pair's partner read from sh[wy]. The caller
-    syncs the block between the two (a partner is another lane's value). Shared by
-    norm_rope_store and attention's decode kernel (which computes q and the new keys itself),
-    so both give the same bits."""
+    """(norm_weights, norm_to_shared, rope_coeffs, rope_from_shared): one head's row held by
+    a warp, lane l holding dims l, l + 32, ... in vals[c] (0 past Dh). norm_weights: wv[c] =
+    w[dim] (the norm's weights, read once, before they are needed); norm_to_shared: [vals <-
+    vals / sqrt(mean(vals^2) + eps) * wv], then vals into the warp's shared row sh[wy];
+    rope_coeffs: cs[c], sn[c] = the rotation table's cos and sin for the lane's dims at
+    position p; rope_from_shared: RoPE of the first n_rot dims with them, each pair's partner
+    read from sh[wy]. The caller syncs the block between the last two (a partner is another
+    lane's value). Shared by norm_rope_store and attention's decode kernel (which computes q
+    and the new keys itself), so both give the same bits; the loads are split from the
+    arithmetic so that a caller can issue them all at once (each is a memory round trip)."""
     key = ("head_rope", Dh)
     if key in _head_rope:
         return _head_rope[key]
     DPL = (Dh + 31) // 32
 
     @device_fn
-    def norm_to_shared(vals, sh, wy, lane, w, norm, eps):
+    def norm_weights(wv, w, lane, norm):
+        for c in range(DPL):
+            d = lane + 32 * c
+            wv[c] = w[d] if norm and d < Dh else f32(0.0)
+
+    @device_fn
+    def norm_to_shared(vals, sh, wy, lane, wv, norm, eps):
         ss = f32(0.0)
         for c in range(DPL):
             ss += vals[c] * vals[c]
@@ -392,14 +401,25 @@ def head_rope_fns(Dh):
         if norm:
             scale = f32(1.0 / math.sqrt(float(ss) / Dh + eps))
             for c in range(DPL):
-                d = lane + 32 * c
-                if d < Dh:
-                    vals[c] = vals[c] * scale * w[d]
+                if lane + 32 * c < Dh:
+                    vals[c] = vals[c] * scale * wv[c]
         for c in range(DPL):
             sh[wy, lane + 32 * c] = vals[c]
 
     @device_fn
-    def rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, p):
+    def rope_coeffs(cs, sn, lane, n_rot, neox, rope, p):
+        half = n_rot // 2
+        for c in range(DPL):
+            d = lane + 32 * c
+            cs[c] = f32(1.0)
+            sn[c] = f32(0.0)
+            if d < n_rot:
+                i = (d if d < half else d - half) if neox else d // 2
+                cs[c] = rope[p, i, 0]
+                sn[c] = rope[p, i, 1]
+
+    @device_fn
+    def rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn):
         half = n_rot // 2
         for c in range(DPL):
             d = lane + 32 * c
@@ -414,11 +434,9 @@ def head_rope_fns(Dh):
                     x0 = sh[wy, 2 * i]
                     x1 = sh[wy, 2 * i + 1]
                     first = d % 2 == 0
-                cs = rope[p, i, 0]
-                sn = rope[p, i, 1]
-                vals[c] = x0 * cs - x1 * sn if first else x0 * sn + x1 * cs
-    _head_rope[key] = norm_to_shared, rope_from_shared
-    return norm_to_shared, rope_from_shared
+                vals[c] = x0 * cs[c] - x1 * sn[c] if first else x0 * sn[c] + x1 * cs[c]
+    _head_rope[key] = norm_weights, norm_to_shared, rope_coeffs, rope_from_shared
+    return _head_rope[key]
 
 
 _head_rope = {}
@@ -426,7 +444,7 @@ _head_rope = {}
 
 def _norm_rope_store_kernel(Dh):
     DPL = (Dh + 31) // 32
-    norm_to_shared, rope_from_shared = head_rope_fns(Dh)
+    norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
 
     def build():
         @cuda.jit
@@ -442,16 +460,21 @@ def _norm_rope_store_kernel(Dh):
             hx = min(hh, H + 2 * Hkv - 1)
             h = hx if kind == 0 else (hx - H if kind == 1 else hx - H - Hkv)
             vals = cuda.local.array(DPL, f32)
+            wv = cuda.local.array(DPL, f32)
+            cs = cuda.local.array(DPL, f32)
+            sn = cuda.local.array(DPL, f32)
             for c in range(DPL):
                 d = lane + 32 * c
                 x = f32(0.0)
                 if d < Dh:
                     x = q[t, h, d] if kind == 0 else (k[t, h, d] if kind == 1 else v[t, h, d])
                 vals[c] = x
-            norm_to_shared(vals, sh, wy, lane, wq if kind == 0 else wk, do_norm and kind < 2, eps)
+            norm_weights(wv, wq if kind == 0 else wk, lane, do_norm and kind < 2)
+            rope_coeffs(cs, sn, lane, n_rot, neox, rope, pos[t])
+            norm_to_shared(vals, sh, wy, lane, wv, do_norm and kind < 2, eps)
             cuda.syncthreads()
             if kind < 2:
-                rope_from_shared(vals, sh, wy, lane, n_rot, neox, rope, pos[t])
+                rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn)
             if hh < H + 2 * Hkv:
                 p = pos[t]
                 for c in range(DPL):
