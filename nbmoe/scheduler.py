@@ -29,6 +29,10 @@ Small buffers that cross between the CPU and one GPU and that the GPU touches on
 crossing (the router's choices and weights out of a layer's GPU split, the CPU experts'
 output back in: `mapped_crossings`) live in host memory mapped into the GPU's address space:
 the GPU kernel writes (reads) them there over PCIe, the graph holds no copy for them.
+The small buffers the CPU reads that the GPU reads too (the normed x, and with -zce the
+router's choices) are mirrored instead: their CPU buffer is mapped host memory, and the
+kernel that writes them (norm_route) writes both copies (`mirror_candidates`). So a hybrid
+decode layer's graph holds no copy at all.
 Measured on an H100 box: see README. NBMOE_NO_MAPPED=1 copies them as the others.
 """
 import os
