@@ -18,7 +18,6 @@ from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, shfl_xor, war
 from .matmul import quantize_lane, unused_x8
 
 f32 = np.float32
-i32 = np.int32
 NEG_INF = f32(-np.inf)
 
 # Query heads (= warps) per attention block: consecutive heads share a kv head, so their
@@ -26,8 +25,8 @@ NEG_INF = f32(-np.inf)
 HEADS_PER_BLOCK = 4
 # Key splits (flash-decoding) when T <= SPLIT_MAX_T: one per SPLIT_KEYS slots of the cache's
 # (16: at a 128-token context, 64 keys a split left 8 blocks busy for ~12 us on the H200)
-# capacity, at most MAX_SPLITS of them, merged by the split that finishes last. A warp walks
-# its keys one after the other (latency-bound), so many short spans keep more warps busy.
+# capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
+# (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
 # Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported);
 # off, or for other Dh, the warp-per-query kernel below.
@@ -117,13 +116,13 @@ def active_splits(n, P, min_keys):
 # each over all Dh (rows read lane by lane) took 34 ms, 4 keys per iteration 14 ms.
 # A warp walks its keys one after the other: latency-bound; prompts go to flash.py (query tiles
 # sharing K / V tiles in shared memory, tensor cores) where it can. Split p of the Pa in use takes
-# an equal share of the token's keys and writes (acc, max, sum); the last of a head group's
-# splits to finish merges them (merge_head below). With Pa == 1 it writes out itself.
+# an equal share of the token's keys and writes (acc, max, sum) for the merge kernel; with
+# Pa == 1 it writes out.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
 # quant (Dh a multiple of 32): out is also written in 8 bits (xq, xds as matmul.quantize_x,
 # rows of H * Dh) for the output projection: lane l's value of dims 32c .. 32c + 31 is dim
-# 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge likewise).
+# 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge kernel likewise).
 
 # ROPE (decoding, T <= SPLIT_MAX_T): q, k, v arrive as the products wrote them, and the
 # kernel does fused.norm_rope_store's work itself, with its device functions (same bits): each
@@ -173,7 +172,6 @@ def _attention_kernel(Dh, ROPE=False):
         return k_
     from .fused import head_rope_fns
     norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
-    merge_head = _merge_head_fn(Dh)
     NEW = SPLIT_MAX_T * DPL         # the batch's new key and value rows, a lane's dims
 
     @device_fn
@@ -194,9 +192,9 @@ def _attention_kernel(Dh, ROPE=False):
             vals[i + c] = ld_f16(cache, rb, 2 * d) if d < Dh else f32(0.0)
 
     @cuda.jit
-    def attention_kernel(out, part_acc, part_ml, counter, q, k_cache, v_cache, pos, scale,
-                         window, min_keys, xq, xds, quant, k, v, kc16, vc16, wq, wk, eps,
-                         do_norm, n_rot, neox, rope):
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window,
+                         min_keys, xq, xds, quant, k, v, kc16, vc16, wq, wk, eps, do_norm,
+                         n_rot, neox, rope):
         H = q.shape[1]
         Hkv = k_cache.shape[1]
         G = H // Hkv
@@ -320,19 +318,6 @@ def _attention_kernel(Dh, ROPE=False):
                 if lane == 0:
                     part_ml[p, t, h, 0] = m
                     part_ml[p, t, h, 1] = tot
-        if Pa > 1:                                 # the last split of these heads merges
-            last = cuda.shared.array(1, i32)
-            cid = t * cuda.gridDim.y + cuda.blockIdx.y
-            cuda.threadfence()                     # this split's results, seen by all
-            cuda.syncthreads()
-            if lane == 0 and cuda.threadIdx.y == 0:
-                last[0] = 1 if cuda.atomic.add(counter, cid, 1) == Pa - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                if h < H:
-                    merge_head(out, part_acc, part_ml, t, h, Pa, lane, xq, xds, quant)
-                if lane == 0 and cuda.threadIdx.y == 0:
-                    counter[cid] = 0               # for the next launch (graph replays)
 
     _kernels[("attn", Dh, ROPE)] = attention_kernel
     return attention_kernel
@@ -340,33 +325,34 @@ def _attention_kernel(Dh, ROPE=False):
 
 # Merge of the Pa splits in use: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,
 # M = max m_p. A split that got no keys (possible at the end of a long cache) has m = -inf,
-# l = 0 and weighs 0. Done by the block that finishes last among a head group's splits (a
-# counter per (token, group), as fused.norm_route's last block): each warp merges its head,
-# lane l dims l, l + 32, ... (and writes them in 8 bits as the one-split case does). A
-# second kernel for the merge cost a launch and its gap in the graph.
+# l = 0 and weighs 0. One thread per output value. With one split in use there is nothing to do.
 
-def _merge_head_fn(Dh):
-    DPL = (Dh + 31) // 32
-
-    @device_fn
-    def merge_head(out, part_acc, part_ml, t, h, Pa, lane, xq, xds, quant):
-        H = out.shape[1]
-        M = part_ml[0, t, h, 0]
-        for p in range(1, Pa):
-            M = max(M, part_ml[p, t, h, 0])
-        for c in range(DPL):
-            d = lane + 32 * c
-            num = f32(0.0)
-            den = f32(0.0)
-            for p in range(Pa):
-                f = expf(part_ml[p, t, h, 0] - M)
-                num += f * (part_acc[p, t, h, d] if d < Dh else f32(0.0))
-                den += f * part_ml[p, t, h, 1]
-            if d < Dh:
-                out[t, h, d] = num / den
-            if quant:
-                quantize_lane(xq, xds, ((t * H + h) * Dh) // 32 + c, True, num / den, lane)
-    return merge_head
+@cuda.jit
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys, xq, xds, quant):
+    T, H, Dh = out.shape
+    idx = cuda.grid(1)
+    if idx >= T * H * Dh:
+        return
+    t = idx // (H * Dh)
+    lo, hi = key_range(pos[0], t, window)
+    Pa = active_splits(hi - lo, P, min_keys)
+    if Pa == 1:
+        return                                     # attention wrote out itself
+    rem = idx - t * H * Dh
+    h = rem // Dh
+    d = rem - h * Dh
+    M = part_ml[0, t, h, 0]
+    for p in range(1, Pa):
+        M = max(M, part_ml[p, t, h, 0])
+    num = f32(0.0)
+    den = f32(0.0)
+    for p in range(Pa):
+        f = expf(part_ml[p, t, h, 0] - M)
+        num += f * part_acc[p, t, h, d]
+        den += f * part_ml[p, t, h, 1]
+    out[t, h, d] = num / den
+    if quant:                                      # a warp: one 32-block of out (Dh % 32 == 0)
+        quantize_lane(xq, xds, idx // 32, True, num / den, cuda.threadIdx.x % 32)
 
 
 def _buffer(name, shape):
@@ -448,19 +434,12 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
     else:
         part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))     # splits p < P used
         part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    kern[grid, (32, hb), stream](out, part_acc, part_ml, _counters(T * grid[1]), q, k_cache,
-                                 v_cache, pos, f32(scale), int(window), MIN_SPLIT_KEYS, xq, xds,
-                                 quant, *rope)
-
-
-def _counters(n):
-    """int32 zeros [n] (at least), one per (token, head group): the merge's done-counters,
-    each reset by the block that merges (so a CUDA graph replays with them at 0)."""
-    key = (device_id(), "counters")
-    c = _scratch.get(key)
-    if c is None or c.shape[0] < n:
-        c = _scratch[key] = cuda.to_device(np.zeros(max(n, 64), np.int32))
-    return c
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, f32(scale),
+                                 int(window), MIN_SPLIT_KEYS, xq, xds, quant, *rope)
+    if P > 1:
+        m = T * H * Dh
+        merge_splits_kernel[(m + 127) // 128, 128, stream](
+            out, part_acc, part_ml, P, pos, int(window), MIN_SPLIT_KEYS, xq, xds, quant)
 
 
 def _no_rope():
