@@ -523,9 +523,9 @@ class CUDABackend(Backend):
         # what the CPU reads next (hybrid): also written to its mapped host buffers (a buffer
         # that is not mirrored gets its device copy written twice over: the same bits)
         mirrors = getattr(buf, "mirrors", {})
-        names = [n for n in (norm.out, topk.params["also_writes"][0], topk.out) if n in mirrors]
-        mirror = (_rows2d(mirrors.get(norm.out, h)), mirrors.get(topk.params["also_writes"][0], ids),
-                  mirrors.get(topk.out, wts)) if names else None
+        writes = ((norm.out, h), (topk.params["also_writes"][0], ids), (topk.out, wts))
+        names = [n for n, _ in writes if n in mirrors]
+        mirror = tuple(_rows2d(mirrors.get(n, a)) for n, a in writes) if names else None
 
         def run():
             xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)

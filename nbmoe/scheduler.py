@@ -328,9 +328,7 @@ def mapped_crossings(graph, gpu):
                 crossing.add(src)
         for out in node.outs:
             writer[out], gpu_reads[out] = node.backend, 0
-    return {name for name in crossing - bad
-            if np.prod(graph.buffers[name].shape) * np.dtype(graph.buffers[name].dtype).itemsize
-            <= MAPPED_MAX_BYTES}
+    return _small(graph, crossing - bad)
 
 
 def mirror_candidates(graph, gpu):
@@ -346,7 +344,12 @@ def mirror_candidates(graph, gpu):
             out.update(s for s in node.srcs if writer.get(s) == gpu)
         for o in node.outs:
             writer[o] = node.backend
-    return {name for name in out
+    return _small(graph, out)
+
+
+def _small(graph, names):
+    """Those of `names` whose buffers take at most MAPPED_MAX_BYTES."""
+    return {name for name in names
             if np.prod(graph.buffers[name].shape) * np.dtype(graph.buffers[name].dtype).itemsize
             <= MAPPED_MAX_BYTES}
 
