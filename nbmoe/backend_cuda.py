@@ -511,19 +511,6 @@ class CUDABackend(Backend):
                                           int(topk.params["k"]))
 
     def _bind_norm_route(self, members, buf, state):
-        return [None, None, self._route_step(members, buf)]
-
-    def _bind_product_add_route(self, members, buf, state):
-        """x += a @ Wo^T, then the routing of x: one launch (fused.product_add_route)."""
-        product = members[0]
-        _, wo, a, otype = self.mul_mat_operands(product, buf)
-        ready = self._x_ready(product, buf, otype, a.shape[0], a.shape[1])
-        self._last = None
-        return [None, None, None, None, self._route_step(members[2:], buf, (wo, a, otype, ready))]
-
-    def _route_step(self, members, buf, product=None):
-        """The step of a norm_route group [preceded by the product of product_add_route:
-        (weight, x, type, whether x is in 8 bits already)]."""
         norm, router, topk = members
         wn, eps = self.vector(norm.weight), norm.params["eps"]
         x, h = _rows2d(buf[norm.srcs[0]]), _rows2d(buf[norm.out])
@@ -539,24 +526,12 @@ class CUDABackend(Backend):
         writes = ((norm.out, h), (topk.params["also_writes"][0], ids), (topk.out, wts))
         names = [n for n, _ in writes if n in mirrors]
         mirror = tuple(_rows2d(mirrors.get(n, a)) for n, a in writes) if names else None
-        if product is None:
-            def run():
-                xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
-                fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag,
-                                 mirror=mirror)
-            label = "RMS_NORM+MUL_MAT+TOPK_MOE"
-        else:
-            wo, a, otype, ready = product
-            K = a.shape[1]
 
-            def run():
-                aq, ads = mm._quantize_x(a, 1, K, ready=ready)
-                xq, xds = mm.x8_buffers(1, D)
-                fused.product_add_route(x, wo, aq, ads, otype, K, h, xq, xds, wn, eps, wr, wtype,
-                                        logits, ids, wts, flag, mirror=mirror)
-            label = "MUL_MAT+ADD+RMS_NORM+MUL_MAT+TOPK_MOE"
+        def run():
+            xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
+            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror)
         run.mirrors = names
-        return _labelled(run, label)
+        return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
 
     def _bind_rope_attn(self, members, buf, state):
         attn_node, rope = members[-1], members[-2]

@@ -12,7 +12,6 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, TOPK_MOE of it          T = 1
                 (route_ok(norm, router, topk): the backend's kernel takes them)
-  product_add_route  a product_add, then a norm_route of its sum                  T = 1
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
   attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
                 ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU)
@@ -33,7 +32,7 @@ ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
 BLOCKS = os.environ.get("NBMOE_NO_BLOCKS", "") != "1"
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 # Kinds a backend offers beyond KINDS (the CUDA backend's; see backend_cuda.fuse_kinds).
-ADD_KINDS = ("down_combine_add", "product_add", "norm_route", "product_add_route")
+ADD_KINDS = ("down_combine_add", "product_add", "norm_route")
 BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 
@@ -76,22 +75,14 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
         return (n is not None and n.op == "ADD" and n.backend == backend and len(n.srcs) == 2
                 and n.srcs[1] == y and n.out == n.srcs[0] != y)
 
-    def norm_route(j):        # nodes i + j .. i + j + 2: RMS_NORM, router, TOPK_MOE
-        n0, n1, n2 = at(j), at(j + 1), at(j + 2)
-        return (T == 1 and n2 is not None and n0.op == "RMS_NORM" and "src_rows" not in n0.params
-                and n1.op == "MUL_MAT" and n1.srcs == (n0.out,) and n2.op == "TOPK_MOE"
-                and n2.srcs == (n1.out,) and n1.cause == "wgt"
-                and n0.backend == n1.backend == n2.backend == backend and route_ok(n0, n1, n2))
-
     n0, n1, n2 = at(0), at(1), at(2)
     if n0 is None or n0.backend != backend:
         return None
-    if "norm_route" in kinds and norm_route(0):
+    if ("norm_route" in kinds and T == 1 and n2 is not None and n0.op == "RMS_NORM"
+            and "src_rows" not in n0.params and n1.op == "MUL_MAT" and n1.srcs == (n0.out,)
+            and n2.op == "TOPK_MOE" and n2.srcs == (n1.out,) and n1.cause == "wgt"
+            and n1.backend == n2.backend == backend and route_ok(n0, n1, n2)):
         return "norm_route", [n0, n1, n2]
-    # the attention's output product and residual add, then the routing of that sum
-    if ("product_add_route" in kinds and T == 1 and _product(n0, "MUL_MAT", backend, vec_ok)
-            and residual_add(n1, n0.out) and norm_route(2) and n2.srcs == (n1.out,)):
-        return "product_add_route", [n0, n1, n2, at(3), at(4)]
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
         if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)

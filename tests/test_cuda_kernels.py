@@ -551,43 +551,6 @@ def test_norm_route(D, E, name, small):
     assert np.array_equal(ids.copy_to_host(), ref_ids)
 
 
-@pytest.mark.parametrize("D,E,K,name", [(64, 40, 96, "F32"), (288, 6, 64, "F16")])
-def test_product_add_route(D, E, K, name, small):
-    """The output product and residual add, then norm + router + top-k, in one launch
-    (fused.product_add_route): x, h, its 8-bit form, logits, ids and weights equal
-    mul_mat(..., accumulate=True) then norm_route bit for bit, though the routing writes h's
-    8-bit form into the buffers that held a's (as x8_buffers gives both). Run twice: the
-    counters are reset for the next launch. x and ids also match the float64 reference."""
-    from nbmoe.cuda import fused
-    A = 3
-    x, wn, a = rnd(1, D, seed=D, scale=2.0), rnd(D, seed=E), rnd(1, K, seed=K)
-    wr, _ = quantize(rnd(E, D, seed=7), name)
-    wo, woref = quantize(rnd(D, K, seed=8), "Q8_0")
-    dwn, dwr, dwo, da = dev(wn), dev(wr), dev(wo), dev(a)
-    x_want, h_want, lg_want = dev(x), poisoned((1, D)), poisoned((1, E))
-    ids_want, w_want = poisoned((1, A), np.int32), poisoned((1, A))
-    matmul.mul_mat(x_want, dwo, da, int(Q["Q8_0"]), accumulate=True)
-    xq, xds = matmul.x8_buffers(1, D)
-    fused.norm_route(h_want, xq, xds, x_want, dwn, 1e-6, dwr, int(Q[name]), lg_want, ids_want,
-                     w_want, True)
-    q_want, ds_want = xq.copy_to_host()[:D // 4], xds.copy_to_host()[:D // 16]
-    for run in range(2):
-        dx = dev(x)
-        aq, ads = matmul._quantize_x(da, 1, K, 0)
-        h, lg = poisoned((1, D)), poisoned((1, E))
-        ids, w = poisoned((1, A), np.int32), poisoned((1, A))
-        mirror = (poisoned((1, D)), poisoned((1, A), np.int32), poisoned((1, A))) if run else None
-        xq, xds = matmul.x8_buffers(1, D)
-        fused.product_add_route(dx, dwo, aq, ads, int(Q["Q8_0"]), K, h, xq, xds, dwn, 1e-6, dwr,
-                                int(Q[name]), lg, ids, w, True, mirror=mirror)
-        for got, want in ((dx, x_want), (h, h_want), (lg, lg_want), (ids, ids_want),
-                          (w, w_want)) + tuple(zip(mirror or (), (h_want, ids_want, w_want))):
-            assert np.array_equal(got.copy_to_host(), want.copy_to_host())
-        assert np.array_equal(xq.copy_to_host()[:D // 4], q_want)
-        assert np.array_equal(xds.copy_to_host()[:D // 16], ds_want)
-    check("product_add_route x", dx.copy_to_host(), x + a @ woref.T, rtol=RTOL_X8)
-
-
 @pytest.mark.parametrize("pos0,keys", [(0, 4), (2, 4), (20, 4), (5, 0)])
 def test_attention_x8_output(pos0, keys, small, monkeypatch):
     """Attention writing its output in 8 bits too (for the output projection): the codes and

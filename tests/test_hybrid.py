@@ -302,9 +302,8 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
         return out, groups, llm
     fused, groups, llm = run()
     assert sum(flags) >= 1                           # q, k, v from the norm's 8-bit x
-    want = ({"products", "rope_attn"}
-            | ({"product_add_route", "glu_id", "down_combine_add"} if shape == "moe"
-               else {"product_add", "glu"}))
+    want = ({"products", "rope_attn", "product_add"}
+            | ({"norm_route", "glu_id", "down_combine_add"} if shape == "moe" else {"glu"}))
     assert groups == want                            # the one-token plan's groups
     labels = {lab for _, lab in llm.plan(1, 1).labels}
     assert "GRAPH" in labels or "QK_NORM+ROPE+ATTN" in labels

@@ -27,10 +27,6 @@ simulator (NUMBA_ENABLE_CUDASIM=1, which the CPU-only CI uses):
                      to their size (the simulator checks).
   ld_u32_a2(a, base, off)  a 32-bit word at a 2-byte aligned offset (two 16-bit loads)
   st_f32 / st_i32(a, base, off, v)  store float32 / int32 v there (the same addressing as the loaders)
-  ld_gpu_f32(a, base, off)  ld_f32 at GPU scope (ld.relaxed.gpu: from L2, never a stale L1
-                     line): a value another block wrote during this launch
-  ld_acquire_i32(a, base, off)  ld_i32 as an acquire at GPU scope (a flag or counter another
-                     block sets: the loads after it see what that block wrote before it)
 Warp primitives need all 32 lanes of the warp to call them (as on hardware, full mask).
 In the simulator, device_fn functions stay plain Python, and the simulator's shared-array
 allocation is patched to take a lock (unlocked, simulated threads can each get their own copy).
@@ -182,8 +178,6 @@ if SIM:
     def ld_f32(a, base, off):
         return _bytes_at(a, base, off, 4).view(np.float32)[0]
 
-    ld_gpu_f32, ld_acquire_i32 = ld_f32, ld_i32    # (one memory: nothing to bypass)
-
     def st_f32(a, base, off, v):
         _bytes_at(a, base, off, 4).view(np.float32)[0] = v
 
@@ -274,31 +268,6 @@ else:
         return ld
 
     ld_u8, ld_u16, ld_u32, ld_i32, ld_f16, ld_f32 = (_loader(k) for k in ("u8", "u16", "u32", "i32", "f16", "f32"))
-
-    def _scoped_loader(ret, ll_type, ptx):
-        """A loader with the addressing of _loader's whose load is the PTX instruction `ptx`
-        (inline assembly: a load with a memory scope; side_effect keeps it in spin loops)."""
-        @intrinsic
-        def ld(typingctx, a, base, off):
-            if not (isinstance(a, types.Array) and isinstance(base, types.Integer)
-                    and isinstance(off, types.Integer)):
-                return None
-
-            def codegen(context, builder, sig, args):
-                i64 = ir.IntType(64)
-                arr = context.make_array(sig.args[0])(context, builder, args[0])
-                data = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-                b = context.cast(builder, args[1], sig.args[1], types.int64)
-                o = context.cast(builder, args[2], sig.args[2], types.int64)
-                p = builder.gep(data, [builder.add(b, builder.and_(o, i64(0xFFFFFFFF)))])
-                fn = ir.InlineAsm(ir.FunctionType(ll_type, [p.type]), ptx + " $0, [$1];",
-                                  ("=f" if ret == types.float32 else "=r") + ",l", side_effect=True)
-                return builder.call(fn, [p])
-            return ret(a, base, off), codegen
-        return ld
-
-    ld_gpu_f32 = _scoped_loader(types.float32, ir.FloatType(), "ld.relaxed.gpu.f32")
-    ld_acquire_i32 = _scoped_loader(types.int32, ir.IntType(32), "ld.acquire.gpu.b32")
 
     def _storer(nb_type, ll_type):
         @intrinsic

@@ -29,9 +29,9 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, device_id, ld_acquire_i32, ld_gpu_f32, warp_sum
-from .matmul import (MMV_WARPS, _cached, _split_k, _write_rows_fn, dot8, pair_row, quantize_word,
-                     quantizes_x, unit_cols)
+from . import device_fn, device_id, warp_sum
+from .matmul import (MMV_WARPS, _cached, _split_k, dot8, pair_row, quantize_word, quantizes_x,
+                     unit_cols)
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .moe import GATING_SOFTMAX, experts_per_lane, topk_warp_fn
 from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu
@@ -39,7 +39,6 @@ from .quants import qtype_info
 
 f32 = np.float32
 i32 = np.int32
-Q8_0 = 8
 ACT_SILU, ACT_GELU = 0, 1
 
 
@@ -206,79 +205,37 @@ def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=Fa
 # One token's MoE routing in one launch (T = 1), for a router of a float type (the path
 # matmul takes for it, mul_mat_vec_kernel):
 #   h = x / sqrt(mean(x^2) + eps) * wn,  logits = h @ Wr^T,  ids, weights = top-k of logits,
-# and h also in 8 bits (xq, xds) for the experts' products. Router rows go in groups of RPB =
-# 8 / S (S warps a row: matmul._split_k's S), a group to a block of 256 threads = 8 warps.
-# Each block computes the norm itself into shared memory (x is a few KB, re-read from L2 by
-# every block), then its warps dot their router rows with h there; the block of group 0 also
-# writes h and its 8-bit form. A lane loads its first PF units of the router row, x and the
-# norm's weights before the norm (they do not depend on it: one memory round trip instead of
-# three; H200, all on the GPU, tg64 322.5 -> 328.9 t/s alternated in one process, faster in
-# 10 of 10 rounds). Each block then counts itself done on counter[1], after a memory fence
-# that makes its logits visible to the other blocks; the block that counts last routes on one
-# warp (moe.topk_warp) and resets the counters for the next launch (CUDA graph replays). No
-# block reads the logits before they are all written, so no SM holds a stale copy of them.
+# and h also in 8 bits (xq, xds) for the experts' products. Grid: ceil(E / (8 / S)) blocks of
+# 256 threads = 8 warps, S warps an expert row (matmul._split_k's S). Each block computes the
+# norm itself into shared memory (x is a few KB, re-read from L2 by every block), then its
+# warps dot their router rows with h there; block 0 also writes h and its 8-bit form. A lane
+# loads its first PF units of the router row, x and the norm's weights before the norm (they
+# do not depend on it: one memory round trip instead of three; H200, all on the GPU, tg64
+# 322.5 -> 328.9 t/s alternated in one process, faster in 10 of 10 rounds). Each
+# block then counts itself done on an atomic counter, after a memory fence that makes its
+# logits visible to the other blocks; the block that counts last routes on one warp
+# (moe.topk_warp) and resets the counter for the next launch (CUDA graph replays). No block
+# reads the logits before they are all written, so no SM holds a stale copy of them.
 # Sum orders: the norm's is ops.rms_norm_words' (nth threads, word j = tid + k * nth, warps
 # added in order; the warps past nth add zeros), the dot's mul_mat_vec_kernel's, the top-k's
 # topk_route's: the separate launches' results, bit for bit.
-#
-# product_add_route: the same launch also does the product before it, x += a @ Wo^T (the
-# attention's output projection and the residual add, matmul's mul_mat_vec_q8_kernel with
-# its split-K SO, block b its rows), so the routing needs no launch of its own:
-#   block:  | Wo rows of block b, x += ... | fence, ticket = counter[0]++ |
-#           ticket <  G - NR: done
-#           ticket >= G - NR: router groups ticket - (G - NR), + NR, ...: router units and
-#                             norm weights loaded, wait until counter[0] == G (every row of
-#                             x written), x loaded from L2 (ld_gpu_f32), then as above
-# The last NR blocks to finish their rows route; they wait only for blocks that already run or
-# will get the SM slots the finished ones free, so the wait cannot deadlock (NR + 1 blocks of
-# 256 threads fit on any GPU). The router's loads overlap the product's tail, and a launch
-# and its ramp go. Same bits as the two launches. The simulator runs blocks one by one: there
-# NR = 1, the last block routes every group and finds counter[0] == G at once.
 ROUTE_THREADS = 256
 ROUTE_MAX_D = 8192            # h in shared memory (32 KB)
 PF = 2                        # router units a lane loads before the norm (Qwen3: all of its 2)
-ROUTE_BLOCKS = 1 if SIM else 64     # NR: blocks that route in product_add_route (at most)
 
 
-def _prefetch_fn(dec):
-    @device_fn
-    def prefetch_units(pre, wr, base, u0, step, nu, n):
-        """pre[8 q .. 8 q + 7] = unit min(u0 + q * step, nu - 1) of the router row at base."""
-        for qq in range(PF):
-            u = min(u0 + qq * step, nu - 1)        # (past the row: a unit not used)
-            v0, v1, v2, v3, v4, v5, v6, v7 = dec(wr, base, u >> 2, u & 3, n)
-            pre[8 * qq] = v0
-            pre[8 * qq + 1] = v1
-            pre[8 * qq + 2] = v2
-            pre[8 * qq + 3] = v3
-            pre[8 * qq + 4] = v4
-            pre[8 * qq + 5] = v5
-            pre[8 * qq + 6] = v6
-            pre[8 * qq + 7] = v7
-    return prefetch_units
-
-
-_route_jit = cuda.jit
-
-
-def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
+def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
     t_ = qtype_info(wtype)
     dec, split, tail = t_.dec, t_.split, t_.block == 1
     topk_warp = topk_warp_fn(EPL)
-    prefetch_units = _prefetch_fn(dec)
     VALS = 4 * WPT if WORDS else 8
     PRE = 8 * PF                              # (local array sizes must be plain constants)
     RPB = (ROUTE_THREADS // 32) // S          # router rows a block
-    FUSE = otype >= 0                         # product_add_route: the o product first
-    row_dot_o = row_dot_fn(otype if FUSE else Q8_0, VO, 1, SO)   # (Q8_0: a stand-in, unused)
-    write_o = _write_rows_fn(SO, 1, True)
-    OPB = (ROUTE_THREADS // 32) // SO         # o rows a block
 
     def build():
-        @_route_jit
+        @cuda.jit
         def norm_route_kernel(h, xq, xds, x, wn, eps, nth, wr, RB, logits, ids, weights,
-                              counter, norm, gating, h_host, ids_host, weights_host, mirror,
-                              wo, aq, ads, RBO, KO, NR):
+                              counter, norm, gating, h_host, ids_host, weights_host, mirror):
             hs = cuda.shared.array(ROUTE_MAX_D, f32)
             sh = cuda.shared.array(32, f32)
             part = cuda.shared.array(8, f32)
@@ -288,36 +245,28 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
             wy = tid // 32
             n = x.shape[1]
             nw = n // 4
-            E = logits.shape[1]
-            groups = (E + RPB - 1) // RPB
-            g0 = cuda.blockIdx.x
-            if FUSE:                               # this block's rows of x += a @ Wo^T
-                ro = cuda.blockIdx.x * OPB + wy // SO
-                acc_o = cuda.local.array(1, f32)
-                isum_o = cuda.local.array(1, i32)
-                res_o = cuda.local.array(1, f32)
-                acc_o[0] = f32(0.0)
-                res_o[0] = x[0, min(ro, n - 1)]
-                row_dot_o(acc_o, isum_o, wo, wo, min(ro, n - 1) * RBO, aq, ads, 0, 0, KO, lane, wy % SO)
-                write_o(x, acc_o, res_o, ro, 0, 1, n, lane, wy, wy % SO)
-                cuda.threadfence()                 # these rows of x, seen by all
-                cuda.syncthreads()
-                if tid == 0:
-                    last[0] = cuda.atomic.add(counter, 0, 1)
-                cuda.syncthreads()
-                g0 = last[0] - (cuda.gridDim.x - NR)
-                if g0 < 0:
-                    return                         # the whole block: it does not route
             vals = cuda.local.array(VALS, f32)
             wv = cuda.local.array(VALS, f32)
-            # loads first, all in flight together: the norm's weights, this warp's first PF
-            # units of its router row (they do not depend on the norm) and x
-            r = g0 * RPB + wy // S
+            # loads first, all in flight together: x and the norm's weights, and this warp's
+            # first PF units of its router row (they do not depend on the norm)
+            E = logits.shape[1]
+            r = cuda.blockIdx.x * RPB + wy // S
             sl = wy % S
+            base = min(r, E - 1) * RB
             nu = (n + 7) // 8                      # 8-value units of a router row
             u0 = lane + 32 * sl
             pre = cuda.local.array(PRE, f32)
-            prefetch_units(pre, wr, min(r, E - 1) * RB, u0, 32 * S, nu, n)
+            for qq in range(PF):
+                u = min(u0 + qq * 32 * S, nu - 1)  # (past the row: a unit not used)
+                v0, v1, v2, v3, v4, v5, v6, v7 = dec(wr, base, u >> 2, u & 3, n)
+                pre[8 * qq] = v0
+                pre[8 * qq + 1] = v1
+                pre[8 * qq + 2] = v2
+                pre[8 * qq + 3] = v3
+                pre[8 * qq + 4] = v4
+                pre[8 * qq + 5] = v5
+                pre[8 * qq + 6] = v6
+                pre[8 * qq + 7] = v7
             # the norm: rms_norm_words' layout (WORDS) or rms_norm_kernel's (rows <= 256 values:
             # one warp, thread tid holding values tid, tid + 32, ...)
             if WORDS:
@@ -325,26 +274,13 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
                     j = tid + k * nth
                     for i in range(4):
                         inside = tid < nth and j < nw
+                        vals[4 * k + i] = x[0, 4 * j + i] if inside else f32(0.0)
                         wv[4 * k + i] = wn[4 * j + i] if inside else f32(0.0)
             else:
                 for k in range(8):
                     inside = tid < 32 and tid + 32 * k < n
+                    vals[k] = x[0, tid + 32 * k] if inside else f32(0.0)
                     wv[k] = wn[tid + 32 * k] if inside else f32(0.0)
-            if FUSE:                               # wait for every block's rows of x
-                if tid == 0:
-                    while ld_acquire_i32(counter, 0, 0) < cuda.gridDim.x:
-                        pass
-                cuda.syncthreads()
-            if WORDS:
-                for k in range(WPT):
-                    j = tid + k * nth
-                    for i in range(4):
-                        inside = tid < nth and j < nw
-                        vals[4 * k + i] = ld_gpu_f32(x, 0, 16 * j + 4 * i) if inside else f32(0.0)
-            else:
-                for k in range(8):
-                    inside = tid < 32 and tid + 32 * k < n
-                    vals[k] = ld_gpu_f32(x, 0, 4 * (tid + 32 * k)) if inside else f32(0.0)
             ss = f32(0.0)
             for k in range(VALS):
                 ss += vals[k] * vals[k]
@@ -361,7 +297,7 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
                     if tid < 32 and tid + 32 * k < n:
                         hs[tid + 32 * k] = vals[k] * scale * wv[k]
             cuda.syncthreads()                     # h complete in shared memory
-            if g0 == 0:                            # h and its 8-bit form to global memory
+            if cuda.blockIdx.x == 0:               # h and its 8-bit form to global memory
                 for i in range(tid, n, ROUTE_THREADS):
                     h[0, i] = hs[i]
                     if mirror:
@@ -370,43 +306,37 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
                     j = min(j0 + tid, nw - 1)      # lanes past the row: the last word, not written
                     quantize_word(xq, xds, j, j0 + tid < nw, hs[4 * j], hs[4 * j + 1],
                                   hs[4 * j + 2], hs[4 * j + 3])
-            for g in range(g0, groups, NR):        # (NR < groups: the simulator's one block)
-                r = g * RPB + wy // S
-                base = min(r, E - 1) * RB
-                if g != g0:
-                    prefetch_units(pre, wr, base, u0, 32 * S, nu, n)
-                acc = f32(0.0)
-                for qq in range(PF):               # the prefetched units, in the loop's order
-                    u = u0 + qq * 32 * S
-                    if u < nu:
-                        i0, i1 = unit_cols(u >> 2, u & 3, split)
-                        acc += dot8(pre[8 * qq], pre[8 * qq + 1], pre[8 * qq + 2], pre[8 * qq + 3],
-                                    pre[8 * qq + 4], pre[8 * qq + 5], pre[8 * qq + 6], pre[8 * qq + 7],
-                                    hs, 0, i0, i1, n, tail)
-                for u in range(u0 + PF * 32 * S, nu, 32 * S):
-                    b = u >> 2
-                    uu = u & 3
-                    v0, v1, v2, v3, v4, v5, v6, v7 = dec(wr, base, b, uu, n)
-                    i0, i1 = unit_cols(b, uu, split)
-                    acc += dot8(v0, v1, v2, v3, v4, v5, v6, v7, hs, 0, i0, i1, n, tail)
-                tot = warp_sum(acc)
-                if S == 1:
-                    if lane == 0 and r < E:
-                        logits[0, r] = tot
-                else:
-                    if lane == 0:
-                        part[wy] = tot
-                    cuda.syncthreads()
-                    if sl == 0 and lane == 0 and r < E:
-                        tot = part[wy]
-                        for q in range(1, S):
-                            tot += part[wy + q]
-                        logits[0, r] = tot
-                    cuda.syncthreads()             # part: read before the next group writes
+            acc = f32(0.0)
+            for qq in range(PF):                   # the prefetched units, in the loop's order
+                u = u0 + qq * 32 * S
+                if u < nu:
+                    i0, i1 = unit_cols(u >> 2, u & 3, split)
+                    acc += dot8(pre[8 * qq], pre[8 * qq + 1], pre[8 * qq + 2], pre[8 * qq + 3],
+                                pre[8 * qq + 4], pre[8 * qq + 5], pre[8 * qq + 6], pre[8 * qq + 7],
+                                hs, 0, i0, i1, n, tail)
+            for u in range(u0 + PF * 32 * S, nu, 32 * S):
+                b = u >> 2
+                uu = u & 3
+                v0, v1, v2, v3, v4, v5, v6, v7 = dec(wr, base, b, uu, n)
+                i0, i1 = unit_cols(b, uu, split)
+                acc += dot8(v0, v1, v2, v3, v4, v5, v6, v7, hs, 0, i0, i1, n, tail)
+            tot = warp_sum(acc)
+            if S == 1:
+                if lane == 0 and r < E:
+                    logits[0, r] = tot
+            else:
+                if lane == 0:
+                    part[wy] = tot
+                cuda.syncthreads()
+                if sl == 0 and lane == 0 and r < E:
+                    tot = part[wy]
+                    for q in range(1, S):
+                        tot += part[wy + q]
+                    logits[0, r] = tot
             cuda.threadfence()                     # this block's logits, seen by all
             cuda.syncthreads()
             if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counter, 1, 1) == NR - 1 else 0
+                last[0] = 1 if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1 else 0
             cuda.syncthreads()
             if last[0] == 1:
                 if wy == 0:
@@ -418,16 +348,20 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL, otype=-1, SO=1, VO=1):
                         weights_host[0, lane] = weights[0, lane]
                 if tid == 0:
                     counter[0] = 0
-                    counter[1] = 0
         return norm_route_kernel
-    return _cached(("norm_route", int(wtype), WORDS, WPT, S, EPL, int(otype), SO, VO), build)
+    return _cached(("norm_route", int(wtype), WORDS, WPT, S, EPL), build)
 
 
 _counters = {}
 
 
-def _route_launch(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream,
-                  mirror, wo=None, aq=None, ads=None, otype=-1, KO=0):
+def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
+               mirror=None):
+    """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
+    (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
+    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
+    mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
+    scheduler.mirror_candidates) that get the same values too."""
     D, E = x.shape[1], logits.shape[1]
     if x.shape[0] != 1 or D % 32 or D > ROUTE_MAX_D or ids.shape[1] > min(32, E):
         raise ValueError("norm_route: one token, D % 32 == 0, D <= ROUTE_MAX_D, A <= min(32, E)")
@@ -439,43 +373,11 @@ def _route_launch(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm,
     S = _split_k(E, D)
     key = device_id()
     if key not in _counters:
-        _counters[key] = cuda.to_device(np.zeros(2, np.int32))
-    groups = (E + (ROUTE_THREADS // 32) // S - 1) // ((ROUTE_THREADS // 32) // S)
-    if otype < 0:                                               # norm_route: a block a group
-        grid, NR, SO, VO, RBO = groups, groups, 1, 1, 0
-        wo, aq, ads = wr, xq, xds                               # (typed stand-ins, not read)
-    else:
-        RBO = wo.shape[1]
-        SO = _split_k(D, KO)
-        grid = (D + (ROUTE_THREADS // 32) // SO - 1) // ((ROUTE_THREADS // 32) // SO)
-        NR, VO = min(groups, ROUTE_BLOCKS, grid), chunks_in_flight(otype, KO, SO)
-    kern = _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E), otype, SO, VO)
-    kern[grid, ROUTE_THREADS, stream](
+        _counters[key] = cuda.to_device(np.zeros(1, np.int32))
+    rpb = (ROUTE_THREADS // 32) // S
+    _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E))[(E + rpb - 1) // rpb, ROUTE_THREADS, stream](
         h, xq, xds, x, wn, float(eps), nth, wr, wr.shape[1], logits, ids, weights,
-        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None,
-        wo, aq, ads, RBO, KO, NR)
-
-
-def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
-               mirror=None):
-    """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
-    (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
-    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
-    mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
-    scheduler.mirror_candidates) that get the same values too."""
-    _route_launch(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream, mirror)
-
-
-def product_add_route(x, wo, aq, ads, otype, K, h, xq, xds, wn, eps, wr, wtype, logits, ids,
-                      weights, norm, stream=0, mirror=None):
-    """x [1, D] += a @ dequant(wo [D, row_bytes])^T with a [1, K] in 8 bits (aq, ads as
-    matmul.x8_buffers(1, K) gives them), then norm_route of that x, in one launch (the same
-    bits as mul_mat(..., accumulate=True) then norm_route). xq, xds may be aq, ads: the
-    routing writes them only after every block has read a."""
-    if not quantizes_x(otype, 1, K):
-        raise ValueError("product_add_route: the product's type takes no 8-bit x")
-    _route_launch(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream,
-                  mirror, wo, aq, ads, int(otype), K)
+        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None)
 
 
 def route_supported(wtype, D, E, A):
