@@ -219,8 +219,17 @@ class CUDABackend(Backend):
 
     def graph_run(self, steps, labels=(), wait=True):
         """One step that replays these steps (launches and copies on this GPU's stream) as a
-        CUDA graph, then (wait) waits for it."""
-        return self.graphs.GraphRun(steps, self.stream, labels, wait)
+        CUDA graph, then (wait) waits for it: for the host flag of its last step if that step
+        can set one (`signal`, a norm_route whose outputs the CPU reads), else the stream."""
+        signal = getattr(steps[-1], "signal", None) if steps else None
+        flag = None
+        if wait and signal is not None and self.graphs.ENABLED:
+            if self._flag is None:
+                self._flag = self.mapped_alloc((1,), np.int32)   # one run in flight at a time
+            flag, signal["flag"] = self._flag
+        return self.graphs.GraphRun(steps, self.stream, labels, wait, flag)
+
+    _flag = None
 
     def pinned_alloc(self, shape, dtype):
         """A page-locked host array (decode plans' host buffers: async, recordable copies)."""
@@ -527,10 +536,15 @@ class CUDABackend(Backend):
         names = [n for n, _ in writes if n in mirrors]
         mirror = tuple(_rows2d(mirrors.get(n, a)) for n, a in writes) if names else None
 
+        signal = {"flag": None}               # graph_run sets it if this step ends a graph
+
         def run():
             xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
-            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror)
+            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror,
+                             signal=signal["flag"])
         run.mirrors = names
+        if mirror is not None:                # the CPU reads these next: it may wait for a flag
+            run.signal = signal
         return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
 
     def _bind_rope_attn(self, members, buf, state):

@@ -401,7 +401,8 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
 class _LaunchAhead:
     """A graph the host waits for (the routing and the copies the CPU's experts read), and
     after it, on the same stream, a graph it does not wait for (the GPU's zero-copy experts):
-    both are launched before the wait, which ends at an event between them.
+    both are launched before the wait, which ends at an event between them (or, when the
+    first ends with a flag for the host, graphs.GraphRun's, when the flag is set).
     With `measure` set, a call also records an event after the second graph, so that
     gpu_share_seconds() gives the GPU share's device time (it starts when the first graph
     ends), and the host's time from the end of the wait to the next _LaunchAhead's call (the
@@ -420,11 +421,16 @@ class _LaunchAhead:
         if prev is not None and prev.measure:
             prev.cpu_share_seconds = time.perf_counter() - prev.released
         self.first()
-        self.event.record(self.stream)
+        flagged = self.first.flag is not None and not self.measure
+        if not flagged:
+            self.event.record(self.stream)
         self.second()
         if self.measure:
             self.done.record(self.stream)
-        self.event.synchronize()
+        if flagged:
+            self.first.synchronize()               # the routing's host flag (graphs.GraphRun)
+        else:
+            self.event.synchronize()
         if self.measure:
             self.released = time.perf_counter()
 

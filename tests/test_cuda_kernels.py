@@ -519,7 +519,8 @@ def test_norm_route(D, E, name, small):
     fixture's MMV_WARPS = 2): h, its 8-bit form, logits, ids and weights equal the separate
     launches bit for bit, and h, ids match the float64 reference. Run twice: the block
     counter is reset for the next launch; the second run also writes h, ids and weights to
-    mirror arrays (as the scheduler's mapped host buffers), which get the same bits."""
+    mirror arrays (as the scheduler's mapped host buffers), which get the same bits, and sets
+    the host's flag (signal)."""
     from nbmoe.cuda import fused
     A = 3
     x, wn = rnd(1, D, seed=D, scale=2.0), rnd(D, seed=E)
@@ -539,7 +540,11 @@ def test_norm_route(D, E, name, small):
         h, lg = poisoned((1, D)), poisoned((1, E))
         ids, w = poisoned((1, A), np.int32), poisoned((1, A))
         mirror = (poisoned((1, D)), poisoned((1, A), np.int32), poisoned((1, A))) if run else None
-        fused.norm_route(h, xq, xds, dx, dwn, 1e-6, dwr, int(Q[name]), lg, ids, w, True, mirror=mirror)
+        signal = dev(np.zeros(1, np.int32)) if run else None
+        fused.norm_route(h, xq, xds, dx, dwn, 1e-6, dwr, int(Q[name]), lg, ids, w, True,
+                         mirror=mirror, signal=signal)
+        if run:
+            assert signal.copy_to_host()[0] == 1
         for got, want in ((h, h_want), (lg, lg_want), (ids, ids_want), (w, w_want)) + tuple(
                 zip(mirror or (), (h_want, ids_want, w_want))):
             assert np.array_equal(got.copy_to_host(), want.copy_to_host())

@@ -214,8 +214,10 @@ def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=Fa
 # 322.5 -> 328.9 t/s alternated in one process, faster in 10 of 10 rounds). Each
 # block then counts itself done on an atomic counter, after a memory fence that makes its
 # logits visible to the other blocks; the block that counts last routes on one warp
-# (moe.topk_warp) and resets the counter for the next launch (CUDA graph replays). No block
-# reads the logits before they are all written, so no SM holds a stale copy of them.
+# (moe.topk_warp), writes what the CPU reads next to its mapped host buffers (mirror; h from
+# its own shared memory), [fences them to the host and sets the host's flag (signal)] and
+# resets the counter for the next launch (CUDA graph replays). No block reads the logits
+# before they are all written, so no SM holds a stale copy of them.
 # Sum orders: the norm's is ops.rms_norm_words' (nth threads, word j = tid + k * nth, warps
 # added in order; the warps past nth add zeros), the dot's mul_mat_vec_kernel's, the top-k's
 # topk_route's: the separate launches' results, bit for bit.
@@ -235,7 +237,8 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
     def build():
         @cuda.jit
         def norm_route_kernel(h, xq, xds, x, wn, eps, nth, wr, RB, logits, ids, weights,
-                              counter, norm, gating, h_host, ids_host, weights_host, mirror):
+                              counter, norm, gating, h_host, ids_host, weights_host, mirror,
+                              flag, signal):
             hs = cuda.shared.array(ROUTE_MAX_D, f32)
             sh = cuda.shared.array(32, f32)
             part = cuda.shared.array(8, f32)
@@ -300,8 +303,6 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
             if cuda.blockIdx.x == 0:               # h and its 8-bit form to global memory
                 for i in range(tid, n, ROUTE_THREADS):
                     h[0, i] = hs[i]
-                    if mirror:
-                        h_host[0, i] = hs[i]
                 for j0 in range(0, nw, ROUTE_THREADS):
                     j = min(j0 + tid, nw - 1)      # lanes past the row: the last word, not written
                     quantize_word(xq, xds, j, j0 + tid < nw, hs[4 * j], hs[4 * j + 1],
@@ -346,6 +347,14 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
                     if mirror and lane < ids.shape[1]:    # this lane's own writes, read back
                         ids_host[0, lane] = ids[0, lane]
                         weights_host[0, lane] = weights[0, lane]
+                if mirror:                         # (every block holds all of h)
+                    for i in range(tid, n, ROUTE_THREADS):
+                        h_host[0, i] = hs[i]
+                if signal:                         # all of the above seen by the host, then the flag
+                    cuda.threadfence_system()
+                    cuda.syncthreads()
+                    if tid == 0:
+                        flag[0] = 1
                 if tid == 0:
                     counter[0] = 0
         return norm_route_kernel
@@ -356,12 +365,14 @@ _counters = {}
 
 
 def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
-               mirror=None):
+               mirror=None, signal=None):
     """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
     (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
     type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
     mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
-    scheduler.mirror_candidates) that get the same values too."""
+    scheduler.mirror_candidates) that get the same values too. signal: an int32 [1] array in
+    mapped host memory set to 1 once ids, weights and the mirrors are visible to the host (the
+    host waits for that instead of the stream: graphs.GraphRun's flag)."""
     D, E = x.shape[1], logits.shape[1]
     if x.shape[0] != 1 or D % 32 or D > ROUTE_MAX_D or ids.shape[1] > min(32, E):
         raise ValueError("norm_route: one token, D % 32 == 0, D <= ROUTE_MAX_D, A <= min(32, E)")
@@ -377,7 +388,8 @@ def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, st
     rpb = (ROUTE_THREADS // 32) // S
     _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E))[(E + rpb - 1) // rpb, ROUTE_THREADS, stream](
         h, xq, xds, x, wn, float(eps), nth, wr, wr.shape[1], logits, ids, weights,
-        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None)
+        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None,
+        _counters[key] if signal is None else signal, signal is not None)
 
 
 def route_supported(wtype, D, E, A):
