@@ -1,6 +1,6 @@
 """-zce auto's share balancer (zero_copy.py): the decisions on given GPU / CPU share times.
 (The engine measures those times on a real GPU: tests/test_hybrid.py.)"""
-from nbmoe.zero_copy import EVERY, ShareBalancer
+from nbmoe.zero_copy import EVERY, RATIO_TTL, ShareBalancer
 
 
 def test_measures_every_few_tokens():
@@ -23,7 +23,21 @@ def test_moves_the_share_towards_balance():
     assert twice(b, 150e-6, 148e-6) == 3     # within the 2% slack: stay
     assert b.update(205e-6, 195e-6) == 3     # an outlier among 230 us CPU shares (H200): stay
     assert b.update(205e-6, 230e-6) == 3
-    assert twice(b, 204e-6, 191e-6) == 2     # measured on another H200 lend: 3 -> 2
+    assert twice(b, 204e-6, 191e-6) == 3     # the CPU took 1.27x as long at 2 (190 / 150): stay
+    assert twice(ShareBalancer(3, 8), 204e-6, 191e-6) == 2   # another H200 lend, no memory: 2
+
+
+def test_remembers_what_a_move_cost():
+    """A move's CPU time ratio (first token after it / last before it) keeps the balancer
+    from a move that would slow the layer, for RATIO_TTL measured tokens (an H200 lend's
+    measurements: the CPU share took 1.14x as long with one expert more)."""
+    b = ShareBalancer(3, 8)
+    assert twice(b, 209e-6, 204e-6) == 2     # the GPU share is the slower: explore 2
+    assert twice(b, 143e-6, 233e-6) == 3     # the CPU there: 233 vs 204, slower; back to 3
+    # 209 at 3 against ~1.14 x 198 at 2: 3 stays, until the ratio is forgotten and 2 is
+    # explored again (measured tokens 36 and 37 ask for it)
+    shares = [twice(b, 209e-6, 198e-6) for _ in range(RATIO_TTL // 2 + 1)]
+    assert set(shares[:-1]) == {3} and shares[-1] == 2
 
 
 def test_bounds():
@@ -44,6 +58,10 @@ TRACES = {
     "D": (3, 0.9, {3: [(207, 247), (208, 237), (210, 251), (199, 215), (200, 223), (201, 227),
                   (207, 251), (200, 230), (204, 227), (213, 248), (201, 226), (202, 223), (205, 195)],
               2: [(151, 237), (142, 227), (146, 222)]}),
+    "F": (3, 0.9, {3: [(209, 192), (221, 204), (209, 222), (203, 210), (209, 198), (205, 233),
+                  (210, 214), (204, 211), (208, 225), (200, 224), (211, 228), (212, 217),
+                  (226, 244), (227, 237)],
+              2: [(143, 233), (146, 238)]}),
     "E": (3, 0.6, {3: [(202, 211), (206, 216), (204, 215), (199, 205), (203, 207), (191, 195),
                   (194, 199), (192, 198), (202, 185), (198, 169)],
               2: [(138, 224), (141, 239), (144, 201), (147, 213), (145, 201), (149, 202)]}),
