@@ -97,6 +97,25 @@ def test_decode_crossings_in_mapped_memory(model, zce):
     assert not any(c.mapped for c in llm.plan(9, 1).copies)     # prompts: no graphs, copies
 
 
+@pytest.mark.parametrize("zce", [0, 1])
+def test_routing_graphs_wait_on_a_host_flag(model, zce, monkeypatch):
+    """Experts in RAM, one token: each layer's recorded graph ends with norm_route, whose last
+    block sets a flag in mapped host memory once the choices, weights and normed x are there;
+    the host waits for that flag instead of the stream (graphs.GraphRun.flag; with -zce the
+    wait sits between the routing's graph and the GPU's expert share). Checked on the plan
+    with recording switched on (the simulator records no graphs; the real GPU runs them in
+    the tests above)."""
+    from nbmoe.cuda import graphs
+    monkeypatch.setattr(graphs, "ENABLED", True)
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=zce)
+    runs = [getattr(s, "first", s) for s in llm.plan(1, 1).steps]
+    flagged = [r for r in runs if isinstance(r, graphs.GraphRun) and r.flag is not None]
+    assert len(flagged) == MOE["n_layer"]
+    for r in flagged:
+        assert r.steps[-1].label == "RMS_NORM+MUL_MAT+TOPK_MOE"
+        assert r.steps[-1].signal["flag"] is not None and r.flag.shape == (1,)
+
+
 def test_decode_split_copies_together(model):
     """Experts in RAM: each layer's GPU split ends with every value its CPU split reads (the
     router's ids and weights, the normed x), so a decode token makes one CUDA graph a layer."""
