@@ -24,18 +24,18 @@ def _kernel_cache_dir():
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
             h.update(f.read())
-    from .paths import cache_dir
+    from nbmoe.paths import cache_dir
     return os.path.join(cache_dir(), "kernels", h.hexdigest()[:16])
 
 
 if "NUMBA_CACHE_DIR" not in os.environ:
     numba.config.CACHE_DIR = _kernel_cache_dir()
 
-from . import load_order  # noqa: E402
+from nbmoe import load_order  # noqa: E402
 
 load_order.record()     # which kernels compile, for load_order.preload in later processes
 
-from .errors import NbmoeError  # noqa: E402
+from nbmoe.errors import NbmoeError  # noqa: E402
 
 __all__ = ["LLM", "load", "NbmoeError"]
 __version__ = "0.1.0"
@@ -44,6 +44,6 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # The engine is imported on first use, so `import nbmoe.cpu.ops` stays light.
     if name in ("LLM", "load"):
-        from . import engine
+        from nbmoe import engine
         return getattr(engine, name)
     raise AttributeError(name)

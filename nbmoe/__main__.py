@@ -1,3 +1,3 @@
-from .repl import main
+from nbmoe.cli.chat import main
 
 main()

@@ -10,21 +10,21 @@ import time
 import numba
 import numpy as np
 
-from . import load_order
-from .arch import config_from_meta
-from .backend import CPUBackend
-from .cpu import matmul as cpu_matmul
-from .cpu.blas import set_blas_threads
-from .errors import NbmoeError
-from .gguf_file import GGUFFile
-from .kv_cache import KVCache
-from .model import build_graph, check_tensors
-from .placement import moe_overrides, parse_overrides, place_tensors
-from .repack import repack_weights
-from .sampling import Sampler, SamplingParams
-from .scheduler import OffloadPolicy, make_plan
-from .tokenizer import Tokenizer
-from .zero_copy import ShareBalancer, measured_times, sampled_layers
+from nbmoe import load_order
+from nbmoe.model.arch import config_from_meta
+from nbmoe.backends.cpu import CPUBackend
+from nbmoe.cpu import matmul as cpu_matmul
+from nbmoe.cpu.blas import set_blas_threads
+from nbmoe.errors import NbmoeError
+from nbmoe.loader.gguf_file import GGUFFile
+from nbmoe.model.kv_cache import KVCache
+from nbmoe.model.forward import build_graph, check_tensors
+from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
+from nbmoe.loader.repack import repack_weights
+from nbmoe.text.sampling import Sampler, SamplingParams
+from nbmoe.sched.scheduler import OffloadPolicy, make_plan
+from nbmoe.text.tokenizer import Tokenizer
+from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers
 
 
 # -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
@@ -90,7 +90,7 @@ class LLM:
         """{tensor: (buffer type, cause)}; GPU buffer types only where a GPU backend exists."""
         devices = []
         if n_gpu_layers or override_tensors:
-            from .backend_cuda import device_names
+            from nbmoe.backends.cuda import device_names
             devices = device_names()
         buftypes = ["CPU"] + devices
         rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
@@ -110,7 +110,7 @@ class LLM:
             exps = [f"blk.{il}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
             router = place(f"blk.{il}.ffn_gate_inp.weight")
             if router != "CPU" and all(place(e) == "CPU" for e in exps):
-                from .cuda.quants import is_supported
+                from nbmoe.cuda.quants import is_supported
                 if all(is_supported(int(self.weights[e].ggml_type)) for e in exps):
                     layers[il] = (router, min(n, self.cfg.n_expert_used - 1))
         if (not layers or max(s for _, s in layers.values()) == 0) and not auto:
@@ -136,8 +136,8 @@ class LLM:
         on_gpu = {t: b for t, (b, _) in self.placement.items() if b != "CPU"}
         if not on_gpu:
             return {}
-        from .backend_cuda import CUDABackend
-        from .cuda.quants import is_supported
+        from nbmoe.backends.cuda import CUDABackend
+        from nbmoe.cuda.quants import is_supported
         for name, buftype in on_gpu.items():   # before anything is uploaded
             if not is_supported(int(self.weights[name].ggml_type)):
                 raise NbmoeError(f"tensor {name} has type {self.weights[name].type_name}, "

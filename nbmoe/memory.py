@@ -1,7 +1,7 @@
 """Fail early, with one line, when an allocation cannot fit in the machine's memory."""
 import os
 
-from .errors import NbmoeError
+from nbmoe.errors import NbmoeError
 
 
 def available_bytes():

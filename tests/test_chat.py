@@ -1,12 +1,12 @@
 """Chat templates: the two real models' formats rendered exactly, and tokenized with their
 special tokens as single ids. SmolLM2 ships a ChatML template in its GGUF; gemma-3-270m
-ships none, so it gets Gemma's own template from nbmoe.chat."""
+ships none, so it gets Gemma's own template from nbmoe.text.chat_template."""
 import datetime
 
 import pytest
 from test_tokenizer import load_tokenizer
 
-from nbmoe.chat import (CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, chat_prompt_ids,
+from nbmoe.text.chat_template import (CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, chat_prompt_ids,
                         default_template, render_chat)
 
 HI = [{"role": "user", "content": "Hi"}]

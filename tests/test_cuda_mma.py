@@ -146,7 +146,7 @@ def test_grouped_reuses_the_last_grouping(tiles):
     backend passes grouped only when the grouping bound last was of the same ids node."""
     from types import SimpleNamespace
 
-    from nbmoe.backend_cuda import CUDABackend
+    from nbmoe.backends.cuda import CUDABackend
     E, M, A, T, K = 4, 20, 2, 11, 64
     ids = np.random.default_rng(5).integers(0, E, (T, A)).astype(np.int32)
     x = rnd(T, 1, K, seed=6)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import nbmoe
-from nbmoe import fusion
+from nbmoe.sched import fusion
 from nbmoe.cpu import matmul
 
 MOE = dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=64,

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGUFReader
 
 from nbmoe.errors import NbmoeError
-from nbmoe.gguf_file import GGUFFile
+from nbmoe.loader.gguf_file import GGUFFile
 
 
 def smollm2_path():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import nbmoe
-from nbmoe import scheduler
+from nbmoe.sched import scheduler
 from nbmoe.cpu import matmul
 from test_cuda_kernels import _simulator_speed  # noqa: F401  (fixture: a short GIL switch interval)
 
@@ -156,7 +156,7 @@ def test_zero_copy_experts_equal_cpu(tiny_model, slots):
 def test_zero_copy_share_balances_while_generating(tiny_model):
     """-zce auto: every few generated tokens the GPU and CPU shares are timed and the share
     may move; the logits stay the CPU engine's whatever share a token ran with."""
-    from nbmoe.zero_copy import EVERY
+    from nbmoe.sched.zero_copy import EVERY
     path = tiny_model(**{**MOE, "n_expert_used": 4}, types=[("exps", "Q4_0")], default_type="Q8_0")
     llm = load(path, n_gpu_layers=99, override_tensors=["exps=CPU"])
     assert llm.balancer is not None and llm.zce_share == 2     # round(3/8 * 4)
@@ -191,7 +191,7 @@ def two_gpus(monkeypatch):
     context switches, the copies between the backends' buffers, per-GPU graphs."""
     from numba import cuda
 
-    from nbmoe import backend_cuda
+    from nbmoe.backends import cuda as backend_cuda
     if cuda_setup.SIM or len(cuda.gpus) < 2:
         monkeypatch.setattr(backend_cuda, "device_names", lambda: ["CUDA0", "CUDA1"])
         monkeypatch.setattr(backend_cuda, "_device_index", lambda name: 0)
@@ -274,7 +274,7 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
     (threshold patched from 32 rows to 2, so 4 tokens are enough in the simulator). With
     prefetch (pairs per expert patched down to 1) every expert tensor is uploaded whole on the
     copy stream, double-buffered: 3 tensors a layer through 2 slots, so slots are reused."""
-    from nbmoe import backend_cuda
+    from nbmoe.backends import cuda as backend_cuda
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
     monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1 if prefetch else 10**6)
     model = whole
@@ -299,8 +299,9 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
     in one launch, gate/up/GLU, expert down + combine + residual add, a product + residual
     add, QK-norm + RoPE + KV store, norm + router + top-k). The logits of a prompt and of
     one-token steps equal those of the plain binders, bit for bit."""
-    from nbmoe import backend_cuda, fusion
-    from nbmoe.backend import Backend
+    from nbmoe.backends import cuda as backend_cuda
+    from nbmoe.sched import fusion
+    from nbmoe.backends.cpu import Backend
     from nbmoe.cuda import matmul as cuda_matmul
     monkeypatch.setattr(cuda_matmul, "INT8_DOT", True)
     flags = []

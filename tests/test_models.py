@@ -1,14 +1,14 @@
 """Every architecture and every weight type: engine logits against the float64 reference.
 
 Tiny random models (built by tools/make_model.py through the `tiny_model` fixture) run
-through the engine's op graph and kernels, and through nbmoe/reference.py, which shares no
+through the engine's op graph and kernels, and through nbmoe/model/reference.py, which shares no
 kernel code with the engine (weights dequantized by gguf-py, float64 NumPy math).
 """
 import numpy as np
 import pytest
 
 import nbmoe
-from nbmoe import reference
+from nbmoe.model.forward import reference
 from nbmoe.cpu import matmul
 
 ARCHS = {
@@ -113,7 +113,7 @@ def test_repack_matches_plain(tiny_model, qtype):
 
 
 def test_repack_skips_gpu_and_get_rows_tensors(tiny_model):
-    from nbmoe.repack import repackable
+    from nbmoe.loader.repack import repackable
     t = nbmoe.load(tiny_model(**ARCHS["qwen3moe"], default_type="Q4_0"), n_ctx=16).weights
     assert repackable("blk.0.attn_q.weight", t["blk.0.attn_q.weight"], "CPU")
     assert not repackable("blk.0.attn_q.weight", t["blk.0.attn_q.weight"], "CUDA0")

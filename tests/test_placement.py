@@ -2,7 +2,7 @@
 import pytest
 
 from nbmoe.errors import NbmoeError
-from nbmoe.placement import moe_overrides, parse_overrides, place_tensors
+from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
 
 BUF = ["CPU", "CUDA0", "CUDA1"]
 N_LAYER = 4

@@ -1,7 +1,7 @@
 """Sampling chain: greedy, penalties, top-k / top-p / min-p cut-offs, seeded draws."""
 import numpy as np
 
-from nbmoe.sampling import Sampler, SamplingParams
+from nbmoe.text.sampling import Sampler, SamplingParams
 
 
 def test_greedy_is_argmax():

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from nbmoe.tokenizer import CONTROL, NORMAL, StreamDecoder, Tokenizer, read_tokenizer_meta
-from nbmoe.tokenizer_spm import spm_encode
+from nbmoe.text.tokenizer import CONTROL, NORMAL, StreamDecoder, Tokenizer, read_tokenizer_meta
+from nbmoe.text.spm import spm_encode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VECTORS = os.environ.get("NBMOE_TOKENIZER_VECTORS",
@@ -23,7 +23,7 @@ VECTORS = os.environ.get("NBMOE_TOKENIZER_VECTORS",
 # ---- the two real vocabularies -----------------------------------------------------------
 
 def smollm2_gguf():
-    from nbmoe.default_model import dense_smollm2_path
+    from nbmoe.loader.default_model import dense_smollm2_path
     from nbmoe.errors import NbmoeError
     try:
         return dense_smollm2_path()
@@ -175,7 +175,7 @@ def test_stream_decoder_flushes_broken_bytes():
 # ---- synthetic vocabularies: the merge rules on paper ------------------------------------
 
 def _tiny_bpe(merges=(), extra_specials=(), pre="gpt2"):
-    from nbmoe.tokenizer_bpe import BYTE_CHARS
+    from nbmoe.text.bpe import BYTE_CHARS
     tokens = list(BYTE_CHARS) + ["".join(m.split()) for m in merges] + list(extra_specials)
     types = [NORMAL] * (len(tokens) - len(extra_specials)) + [CONTROL] * len(extra_specials)
     return Tokenizer(tokens, token_types=types, merges=list(merges), model="gpt2", pre=pre)
@@ -262,7 +262,7 @@ def test_pre_tokenizer_splits():
     """Each family's word split, worked out by hand."""
     import regex
 
-    from nbmoe.tokenizer_bpe import PRE_TOKENIZERS, split_words
+    from nbmoe.text.bpe import PRE_TOKENIZERS, split_words
 
     def split(family, text):
         return split_words(text, [regex.compile(p) for p in PRE_TOKENIZERS[family]])

@@ -9,10 +9,10 @@ from gguf.quants import dequantize
 
 import make_model as mm
 import upcycle as upcycle_cli
-from nbmoe import default_model
+from nbmoe.loader import default_model
 from nbmoe.errors import NbmoeError
-from nbmoe.gguf_file import GGUFFile
-from nbmoe.upcycle import read_metadata, upcycle
+from nbmoe.loader.gguf_file import GGUFFile
+from nbmoe.loader.upcycle import read_metadata, upcycle
 
 
 def kv(reader, key):

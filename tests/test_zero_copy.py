@@ -1,6 +1,6 @@
 """-zce auto's share balancer (zero_copy.py): the decisions on given GPU / CPU share times.
 (The engine measures those times on a real GPU: tests/test_hybrid.py.)"""
-from nbmoe.zero_copy import EVERY, RATIO_TTL, ShareBalancer
+from nbmoe.sched.zero_copy import EVERY, RATIO_TTL, ShareBalancer
 
 
 def test_measures_every_few_tokens():

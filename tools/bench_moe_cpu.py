@@ -20,7 +20,7 @@ import numpy as np
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
 from nbmoe.cpu import fused, matmul
 from nbmoe.cpu.membw import read_bandwidth
-from nbmoe.gguf_file import GGUFFile
+from nbmoe.loader.gguf_file import GGUFFile
 
 
 def layers(path):

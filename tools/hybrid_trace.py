@@ -90,7 +90,7 @@ def _graph_step(run, key, acc, count):
 
 def main(argv=None):
     import nbmoe
-    from nbmoe.cli_common import add_placement_args, add_repack_arg, placement_kwargs
+    from nbmoe.cli.common import add_placement_args, add_repack_arg, placement_kwargs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", type=int, default=None)

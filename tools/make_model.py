@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the reference
 import ref_quant  # noqa: E402
 import ref_quant_iq  # noqa: E402
 
-from nbmoe.default_model import dense_smollm2_path  # noqa: E402
+from nbmoe.loader.default_model import dense_smollm2_path  # noqa: E402
 from nbmoe.errors import NbmoeError  # noqa: E402
-from nbmoe.upcycle import read_metadata  # noqa: E402
+from nbmoe.loader.upcycle import read_metadata  # noqa: E402
 
 
 def _gguf_quantizer(type_name):

@@ -25,9 +25,9 @@ import numba
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nbmoe  # noqa: E402
-from nbmoe import fusion  # noqa: E402
-from nbmoe.cli_common import resolve_model  # noqa: E402
-from nbmoe.scheduler import new_timing_table  # noqa: E402
+from nbmoe.sched import fusion  # noqa: E402
+from nbmoe.cli.common import resolve_model  # noqa: E402
+from nbmoe.sched.scheduler import new_timing_table  # noqa: E402
 
 MODES = {"nodes": False, "blocks": True}     # fusion.BLOCKS per mode
 

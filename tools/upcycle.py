@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from nbmoe.errors import NbmoeError
-from nbmoe.upcycle import upcycle
+from nbmoe.loader.upcycle import upcycle
 
 
 def main(argv=None):

@@ -16,8 +16,8 @@ import numpy as np
 
 def main(argv=None):
     import nbmoe
-    from nbmoe.bench import model_facts, run_tg
-    from nbmoe.cli_common import add_placement_args, placement_kwargs
+    from nbmoe.cli.bench import model_facts, run_tg
+    from nbmoe.cli.common import add_placement_args, placement_kwargs
     from nbmoe.cpu.membw import read_bandwidth
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)

@@ -540,7 +540,7 @@ def rope_table(n_pos, n_rot, freq_base, freq_scale):
     key = (device_id(), n_pos, n_rot, float(freq_base), float(freq_scale))
     tab = _rope_tables.get(key)
     if tab is None:
-        from ..cpu.ops import rope_tables
+        from nbmoe.cpu.ops import rope_tables
         cs = np.empty((n_pos, n_rot // 2), f32)
         sn = np.empty((n_pos, n_rot // 2), f32)
         rope_tables(cs, sn, np.arange(n_pos, dtype=np.int32), n_rot, float(freq_base), float(freq_scale))

@@ -47,7 +47,7 @@ def register_span(arrays):
              | drv.CU_MEMHOSTREGISTER_PORTABLE)
     err, = drv.cuMemHostRegister(lo, hi - lo, int(flags))
     if int(err) != 0:
-        from ..errors import NbmoeError
+        from nbmoe.errors import NbmoeError
         raise NbmoeError(f"could not page-lock {(hi - lo) >> 20} MiB of the model file for the GPU "
                          f"to read in place ({err!r}); run without -zce")
     spans.append((lo, hi))

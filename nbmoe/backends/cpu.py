@@ -62,7 +62,7 @@ class Backend:
 
     def prepare(self, graph):
         """Called with a plan's graph (backends assigned) before its nodes are bound."""
-        from .fusion import find_groups
+        from nbmoe.sched.fusion import find_groups
         T = graph.n_tokens
         self._groups = (find_groups(graph.nodes, self.name, T, lambda n: self.vec_ok(n, T),
                                     self.max_vec_t, self.fuse_kinds, self._weight_type,
@@ -176,7 +176,7 @@ class CPUBackend(Backend):
 
     def __init__(self, tensors, repacked=None):
         super().__init__(tensors)
-        from .cpu import attention, blocks, fused, matmul, moe, ops
+        from nbmoe.cpu import attention, blocks, fused, matmul, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
         self.blocks = blocks
         self.max_vec_t = matmul.BLAS_MIN_T - 1

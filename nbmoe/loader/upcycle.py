@@ -21,8 +21,8 @@ import struct
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from .errors import NbmoeError
-from .gguf_file import GGUFFile
+from nbmoe.errors import NbmoeError
+from nbmoe.loader.gguf_file import GGUFFile
 
 # dense architecture -> the MoE architecture llama.cpp loads the upcycled file as
 MOE_ARCH = {"llama": "llama", "qwen3": "qwen3moe"}

@@ -12,7 +12,7 @@ Each decision keeps its cause, so `--explain` can show why a tensor is where it 
 import re
 from dataclasses import dataclass
 
-from .errors import NbmoeError
+from nbmoe.errors import NbmoeError
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 EXPERT_TENSORS = r"\.ffn_(up|down|gate)_exps\."

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .graph import OPS
+from nbmoe.model.graph import OPS
 
 # Batch rows from which an op whose weight is in RAM runs on a GPU (llama.cpp's choice):
 # below it, copying the weight over PCIe costs more than the CPU computing the product.
@@ -63,7 +63,7 @@ class OffloadPolicy:
     @classmethod
     def parse(cls, spec):
         """`-op NAME_OR_ID,0|1,...` (`-1` = every op) -> policy."""
-        from .errors import NbmoeError
+        from nbmoe.errors import NbmoeError
         pol = cls()
         items = [s.strip() for s in str(spec).split(",") if s.strip()] if spec else []
         if len(items) % 2:

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-from .errors import NbmoeError
+from nbmoe.errors import NbmoeError
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -31,7 +31,7 @@ def add_repack_arg(p, lists=False):
 
 def add_placement_args(p, lists=False):
     """-ngl -ot -op --cpu-moe --n-cpu-moe, as in llama.cpp (bench takes comma lists for -ngl)."""
-    from .graph import OPS
+    from nbmoe.model.graph import OPS
     p.add_argument("-ngl", "--n-gpu-layers", default="0" if lists else 0, type=str if lists else int,
                    help="layers on the GPU: the last N repeating layers and the output (99 = all)")
     p.add_argument("-ot", "--override-tensor", action="append", default=[],
@@ -68,7 +68,7 @@ def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None):
 def resolve_model(path):
     if path:
         return path
-    from .default_model import default_model_path
+    from nbmoe.loader.default_model import default_model_path
     return default_model_path()
 
 

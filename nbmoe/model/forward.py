@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from .errors import NbmoeError
-from .graph import Graph
+from nbmoe.errors import NbmoeError
+from nbmoe.model.graph import Graph
 
 
 def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):

@@ -18,9 +18,9 @@ import codecs
 
 import numpy as np
 
-from .errors import NbmoeError
-from .tokenizer_bpe import LLAMA3_NAMES, BytePairEncoder, decode_spelled
-from .tokenizer_spm import SentencePieceEncoder
+from nbmoe.errors import NbmoeError
+from nbmoe.text.bpe import LLAMA3_NAMES, BytePairEncoder, decode_spelled
+from nbmoe.text.spm import SentencePieceEncoder
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -36,7 +36,7 @@ _ADD_BOS_PRE = LLAMA3_NAMES | {"tekken", "chameleon"}
 
 
 def _as_list(values):
-    """GGUF arrays come as numpy arrays (nbmoe.gguf_file) or lists (gguf-py): plain lists."""
+    """GGUF arrays come as numpy arrays (nbmoe.loader.gguf_file) or lists (gguf-py): plain lists."""
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
@@ -251,11 +251,11 @@ class StreamDecoder:
 def read_tokenizer_meta(path):
     """The `tokenizer.*` and `general.*` metadata of a GGUF file, as a dict for from_meta.
 
-    Uses nbmoe.gguf_file rather than gguf-py's GGUFReader: GGUFReader builds a numpy
+    Uses nbmoe.loader.gguf_file rather than gguf-py's GGUFReader: GGUFReader builds a numpy
     object per vocabulary entry and needs ~16 s for a 262k-token vocab on a loaded
     machine; GGUFFile reads only the header (~0.35 s for the same file).
     """
-    from .gguf_file import GGUFFile
+    from nbmoe.loader.gguf_file import GGUFFile
 
     meta = GGUFFile(path).meta
     return {k: v for k, v in meta.items() if k.startswith(("tokenizer.", "general."))}

@@ -7,9 +7,9 @@ and reused. Its experts are identical copies, so it answers exactly as the dense
 import importlib.util
 import os
 
-from .errors import NbmoeError
-from .paths import cache_dir
-from .upcycle import upcycle
+from nbmoe.errors import NbmoeError
+from nbmoe.paths import cache_dir
+from nbmoe.loader.upcycle import upcycle
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_EXPERT, N_EXPERT_USED = 8, 2

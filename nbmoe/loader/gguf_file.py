@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import NbmoeError
+from nbmoe.errors import NbmoeError
 
 _SCALAR = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",

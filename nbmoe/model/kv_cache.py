@@ -2,8 +2,8 @@
 each layer's on the backend that runs its attention."""
 import numpy as np
 
-from .errors import NbmoeError
-from .memory import check_memory
+from nbmoe.errors import NbmoeError
+from nbmoe.memory import check_memory
 
 
 class KVCache:

@@ -13,8 +13,8 @@ The copies live in anonymous memory; the mmap'd pages they were made from are dr
 """
 import time
 
-from .cpu.quants_rtr import GROUP, R16, repack_tensor
-from .memory import check_memory
+from nbmoe.cpu.quants_rtr import GROUP, R16, repack_tensor
+from nbmoe.memory import check_memory
 
 GET_ROWS_WEIGHTS = ("token_embd.weight",)
 

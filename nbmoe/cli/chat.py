@@ -7,7 +7,7 @@ Piped input works too: `echo "Hi" | python -m nbmoe -n 32` answers each line in 
 import argparse
 import sys
 
-from .cli_common import (add_model_args, add_placement_args, add_repack_arg, err_console,
+from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
                          friendly_errors, placement_kwargs, resolve_model, warm_up)
 
 
@@ -34,7 +34,7 @@ class Chat:
     """A conversation: the messages so far, rendered through the model's chat template."""
 
     def __init__(self, llm, args):
-        from .sampling import Sampler, SamplingParams
+        from nbmoe.text.sampling import Sampler, SamplingParams
         self.llm, self.args = llm, args
         self.sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
                                               args.repeat_penalty, seed=args.seed))
@@ -45,7 +45,7 @@ class Chat:
         self.llm.reset()
 
     def reply(self, text, out):
-        from .chat import chat_prompt_ids
+        from nbmoe.text.chat_template import chat_prompt_ids
         self.messages.append({"role": "user", "content": text})
         ids = chat_prompt_ids(self.llm.tokenizer, self.messages)   # the GGUF's template
         stream, pieces = self.llm.tokenizer.stream(), []
@@ -72,7 +72,7 @@ class Chat:
 def main(argv=None):
     args = parse_args(argv)
     with friendly_errors():
-        from .engine import load
+        from nbmoe.engine import load
         path = resolve_model(args.model)
         with err_console.status(f"loading {path}"):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,

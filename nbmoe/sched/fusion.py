@@ -132,7 +132,7 @@ def _match_rope_attn(nodes, i, backend):
 # ---------------------------------------------------------------- whole blocks (T = 1)
 
 def _match_block(nodes, i, backend, vec_ok, wtype):
-    """attn_block or ffn_block starting at nodes[i] (model.py's layer, node for node), or None."""
+    """attn_block or ffn_block starting at nodes[i] (forward.py's layer, node for node), or None."""
     run = nodes[i:i + 14]
     if (not run or run[0].op != "RMS_NORM" or run[0].backend != backend
             or "src_rows" in run[0].params):

@@ -1,12 +1,12 @@
 """Architectures as data: one frozen config per model, filled from GGUF keys.
 
-An architecture is a set of flags read by the one shared forward pass (model.py) and the
+An architecture is a set of flags read by the one shared forward pass (forward.py) and the
 float64 reference (reference.py); adding one means adding a row to ARCHITECTURES.
 """
 import math
 from dataclasses import dataclass
 
-from .errors import NbmoeError
+from nbmoe.errors import NbmoeError
 
 
 @dataclass(frozen=True)

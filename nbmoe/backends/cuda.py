@@ -1,4 +1,4 @@
-"""The CUDA backend: the same binders as the CPU (backend.py) over numba.cuda kernels.
+"""The CUDA backend: the same binders as the CPU (backends/cpu.py) over numba.cuda kernels.
 
 Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
@@ -24,9 +24,9 @@ import os
 
 import numpy as np
 
-from . import fusion
-from .backend import Backend, _act, _labelled, _rows2d, chosen_slots
-from .errors import NbmoeError
+from nbmoe.sched import fusion
+from nbmoe.backends.cpu import Backend, _act, _labelled, _rows2d, chosen_slots
+from nbmoe.errors import NbmoeError
 
 
 def _device_index(name):
@@ -54,7 +54,7 @@ _held_at_exit = []
 def device_names():
     """Buffer types of the visible GPUs: CUDA0, CUDA1, ... (none without numba-cuda or a GPU)."""
     try:
-        from . import cuda as _  # noqa: F401  (numpy shim before numba.cuda)
+        from nbmoe import cuda as _  # noqa: F401  (numpy shim before numba.cuda)
         from numba import cuda
         if not cuda.is_available():
             return []
@@ -148,7 +148,7 @@ class CUDABackend(Backend):
         super().__init__(tensors)
         from numba import cuda
 
-        from .cuda import SIM, attention, fused, graphs, matmul, moe, ops
+        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, ops
         self.sim = SIM
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = _device_index(name)
@@ -184,7 +184,7 @@ class CUDABackend(Backend):
 
     @staticmethod
     def _f32(t):
-        from .cpu.matmul import dequantize
+        from nbmoe.cpu.matmul import dequantize
         return np.ascontiguousarray(dequantize(t.data.reshape(1, -1), int(t.ggml_type)).reshape(-1))
 
     def activate(self):
@@ -271,7 +271,7 @@ class CUDABackend(Backend):
         return lambda: dst.copy_to_device(src, stream=stream)
 
     def supports_type(self, ggml_type):
-        from .cuda.quants import is_supported
+        from nbmoe.cuda.quants import is_supported
         return is_supported(int(ggml_type))
 
     # -- weights --------------------------------------------------------------------------
@@ -282,7 +282,7 @@ class CUDABackend(Backend):
         if name not in self.zero_copy:
             raise KeyError(f"{name} is neither on {self.name} nor readable in place")
         if name not in self.zero_copy_views:
-            from .cuda import host_memory
+            from nbmoe.cuda import host_memory
             self.lock_ram()
             self.activate()
             self.zero_copy_views[name] = host_memory.device_view(t.data)
@@ -292,7 +292,7 @@ class CUDABackend(Backend):
         """Page-lock the span of the file mapping that holds the RAM-resident matrices (once;
         host_memory.register_span). NbmoeError if the driver refuses."""
         if not self.ram_locked:
-            from .cuda import host_memory
+            from nbmoe.cuda import host_memory
             self.ram_locked = False
             host_memory.register_span([self.tensors[n].data for n in sorted(self.in_ram)])
             self.ram_locked = True

@@ -1,0 +1,1 @@
+"""The CPU and CUDA backends: bind each graph node to a kernel call."""

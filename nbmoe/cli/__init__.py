@@ -1,0 +1,1 @@
+"""The command-line programs: chat REPL, bench, and what they share."""

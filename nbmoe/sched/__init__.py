@@ -1,0 +1,1 @@
+"""Placement and scheduling: where each weight lives and where each op runs."""
