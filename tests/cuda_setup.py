@@ -21,7 +21,8 @@ try:
     import nbmoe.cuda as nbcuda  # applies the numpy shim before numba.cuda is imported
     from numba import cuda  # noqa: F401
 except ImportError as e:  # numba-cuda or its CUDA bindings not installed
-    pytest.skip(f"numba.cuda is not importable: {e}", allow_module_level=True)
+    pytest.skip(f"numba.cuda is not importable ({e}): pip install -e '.[cuda]'",
+                allow_module_level=True)
 if not nbcuda.is_available():
     pytest.skip("no CUDA GPU (and the simulator was not selected before numba.cuda was imported)",
                 allow_module_level=True)

