@@ -1,11 +1,13 @@
 """The Python API: load a GGUF, tokenize, evaluate tokens into logits, generate text.
 
-    llm = nbmoe.load("model.gguf", n_ctx=2048, threads=2)
+    llm = nbmoe.load()          # the default model; or nbmoe.load("model.gguf", n_ctx=2048, threads=2)
     logits = llm.eval(llm.tokenize("text"))     # [T, V] float32, appended to the KV cache
     for piece in llm.generate("prompt", max_tokens=64, temperature=0.0): print(piece, end="")
 """
+import itertools
 import os
 import time
+import warnings
 
 import numba
 import numpy as np
@@ -57,7 +59,7 @@ class LLM:
         self.weights = dict(self.file.tensors)
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
-        self.threads = threads or default_threads()
+        self.threads = usable_threads(threads)
         set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
         self.gpu_slots = self._zero_copy_layers(
@@ -78,6 +80,10 @@ class LLM:
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         self.tokenizer = Tokenizer.from_meta(meta)
         self.n_ubatch = max(1, int(n_ubatch))
+        if n_ctx is not None and n_ctx < 0:
+            raise NbmoeError(f"context size must be 0 or more (0 = the model's "
+                             f"{self.cfg.n_ctx_train}), got {n_ctx}")
+        n_ctx = n_ctx or self.cfg.n_ctx_train      # as llama.cpp's -c 0
         kv_place = [self.placement[f"blk.{il}.attn_q.weight"][0] for il in range(self.cfg.n_layer)]
         self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
         self.n_ctx = n_ctx
@@ -92,6 +98,9 @@ class LLM:
         if n_gpu_layers or override_tensors:
             from nbmoe.backends.cuda import device_names
             devices = device_names()
+            if n_gpu_layers and not devices:
+                warnings.warn(f"no usable CUDA GPU: -ngl {n_gpu_layers} is ignored, every layer "
+                              "runs on the CPU", stacklevel=3)
         buftypes = ["CPU"] + devices
         rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
@@ -238,7 +247,10 @@ class LLM:
 
     def generate_ids(self, prompt_ids, max_tokens=128, sampler=None, stop_ids=None):
         """Yield generated token ids. The cache keeps the longest common prefix of the
-        previous sequence and this prompt (so a chat pays only for its new turn)."""
+        previous sequence and this prompt (so a chat pays only for its new turn).
+        max_tokens < 0: until a stop token or the context's end. last_stats["stop"] says why
+        it ended: "stop" (a stop token), "length" (max_tokens), "context" (the context is
+        full), None while running or when the caller stopped reading."""
         sampler = sampler or Sampler(SamplingParams(temperature=0.0))
         stop = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         prompt_ids = list(prompt_ids)
@@ -246,14 +258,17 @@ class LLM:
         todo = self._reuse_prefix(prompt_ids)
         logits = self._decode(todo, all_logits=False)
         t1 = time.perf_counter()
-        stats = self.last_stats = dict(n_prompt=len(todo), t_prompt=t1 - t0, n_gen=0, t_gen=0.0)
-        for i in range(max_tokens):
+        stats = self.last_stats = dict(n_prompt=len(todo), t_prompt=t1 - t0, n_gen=0, t_gen=0.0,
+                                       stop=None if max_tokens else "length")
+        for i in range(max_tokens) if max_tokens >= 0 else itertools.count():
             tok = sampler.sample(logits, self.tokens)
             if tok in stop:
+                stats["stop"] = "stop"
                 break
             stats["n_gen"] += 1
             yield tok
             if i + 1 == max_tokens or len(self.tokens) >= self.n_ctx:
+                stats["stop"] = "length" if i + 1 == max_tokens else "context"
                 break
             logits = self._decode([tok], all_logits=False)
             stats["t_gen"] = time.perf_counter() - t1
@@ -278,19 +293,39 @@ def _simulated(backends):
     return any(getattr(be, "sim", False) for be in backends.values())
 
 
+def usable_threads(threads):
+    """The thread count to run: all cores for None; above Numba's pool (NUMBA_NUM_THREADS,
+    by default the core count) a warning and the pool's size, since Numba cannot run more."""
+    if threads is None:
+        return default_threads()
+    if threads < 1:
+        raise NbmoeError(f"threads must be at least 1, got {threads}")
+    pool = numba.config.NUMBA_NUM_THREADS
+    if threads > pool:
+        warnings.warn(f"{threads} threads asked, but Numba's pool has {pool} (NUMBA_NUM_THREADS, "
+                      f"by default the core count): using {pool}", stacklevel=2)
+        return pool
+    return threads
+
+
 def default_threads():
     """Like llama.cpp: one thread per available core (at most Numba's pool size)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
-    """Open a GGUF model. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL /
-    IQ4_XS / MXFP4 matrices for the CPU kernels (llama.cpp's -rtr; see repack.py). Placement
+def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
+    """Open a GGUF model; without a path, the default model (SmolLM2-135M-Instruct upcycled
+    to 8 experts, built into the cache on first use: loader/default_model.py). n_ctx: 0 = the
+    model's training context. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K /
+    IQ4_NL / IQ4_XS / MXFP4 matrices for the CPU kernels (llama.cpp's -rtr; see repack.py). Placement
     options (hybrid CPU + GPU): n_gpu_layers, override_tensors (["REGEX=BUFTYPE", ...]),
     offload_policy ("-op" string or OffloadPolicy), cpu_moe, n_cpu_moe, zero_copy_experts
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
     computes, reading the weights in place over PCIe while the CPU computes the others;
     "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
     a layer whose experts are in RAM; 0 = none)."""
+    if path is None:
+        from nbmoe.loader.default_model import default_model_path
+        path = default_model_path()
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)

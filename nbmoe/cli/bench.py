@@ -25,17 +25,21 @@ from gguf import LlamaFileType
 from rich.console import Console
 from rich.table import Table
 
+from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
 from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
                          friendly_errors, placement_kwargs, resolve_model, zce_value)
 
 
 def int_list(s):
-    return [int(v) for v in str(s).split(",") if v.strip() != ""]
+    try:
+        return [int(v) for v in str(s).split(",") if v.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nbmoe.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m nbmoe.bench", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, lists=True)
     p.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths (comma list)")
     p.add_argument("-n", "--n-gen", type=int_list, default=[128], help="tokens to generate (comma list)")
@@ -52,13 +56,20 @@ def parse_args(argv=None):
     add_repack_arg(p, lists=True)
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
-    args.ngl_list = int_list(args.n_gpu_layers)
-    args.ub_list = int_list(args.ubatch_size)
-    args.rtr_list = [bool(v) for v in int_list(args.run_time_repack)]
+    lists = {dest: int_list_arg(p, dest, getattr(args, dest))
+             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack")}
     try:
-        args.zce_list = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",") if v.strip()]
+        lists["zero_copy_experts"] = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",")
+                                      if v.strip()]
     except argparse.ArgumentTypeError as e:
         p.error(f"argument -zce/--zero-copy-experts: {e}")
+    check_values(p, {**vars(args), **lists})
+    args.threads = check_threads(p, args.threads)
+    if not any(args.n_prompt + args.n_gen):
+        p.error("nothing to run: every -p and -n is 0")
+    args.ngl_list, args.ub_list, args.zce_list = (lists["n_gpu_layers"], lists["ubatch_size"],
+                                                  lists["zero_copy_experts"])
+    args.rtr_list = [bool(v) for v in lists["run_time_repack"]]
     return args
 
 
@@ -128,6 +139,7 @@ def run_test(llm, kind, n, args, rng):
 
 
 def main(argv=None):
+    one_line_warnings()
     args = parse_args(argv)
     with friendly_errors():
         import numba

@@ -1,5 +1,6 @@
 """What the command-line tools share: model flags, opening a model, one-line errors."""
 import argparse
+import os
 import sys
 from contextlib import contextmanager
 
@@ -79,6 +80,13 @@ def friendly_errors():
         yield
     except NbmoeError as e:
         err_console.print(f"[bold red]error:[/] {e}")
+        sys.exit(1)
+    except MemoryError as e:
+        err_console.print(f"[bold red]error:[/] out of memory ({e or 'no detail'}): try a smaller -c or -ub")
+        sys.exit(1)
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly; stdout to /dev/null so the final flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")

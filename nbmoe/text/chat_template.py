@@ -18,6 +18,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from nbmoe.errors import NbmoeError
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -143,3 +145,23 @@ def chat_prompt_ids(tokenizer, messages, template=None, add_generation_prompt=Tr
     # A template that writes the BOS itself (Gemma's) must not get a second one.
     add_bos = False if bos and text.startswith(bos) else None
     return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+
+
+def fit_context(tokenizer, messages, n_ctx, reserve, template=None):
+    """The prompt ids of `messages` with room for `reserve` more tokens in n_ctx: the oldest
+    turns (a user message and its reply) are dropped first, a leading system message and
+    the newest message never, as llama.cpp's context shift keeps the first tokens. Returns
+    (ids, kept messages, number of messages dropped); NbmoeError if even the newest message
+    leaves no room to answer."""
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    kept = list(messages)
+    ids = chat_prompt_ids(tokenizer, kept, template)
+    while len(ids) + reserve > n_ctx and len(kept) - head > 1:
+        del kept[head]
+        while len(kept) - head > 1 and kept[head]["role"] != "user":   # a turn starts with its user
+            del kept[head]
+        ids = chat_prompt_ids(tokenizer, kept, template)
+    if len(ids) >= n_ctx:
+        raise NbmoeError(f"the message takes {len(ids)} tokens with the chat template, the context "
+                         f"holds {n_ctx}: not sent (use a larger -c)")
+    return ids, kept, len(messages) - len(kept)
