@@ -24,7 +24,7 @@ def _kernel_cache_dir():
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
             h.update(f.read())
-    from nbmoe.paths import cache_dir
+    from nbmoe.config import cache_dir
     return os.path.join(cache_dir(), "kernels", h.hexdigest()[:16])
 
 

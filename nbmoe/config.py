@@ -1,7 +1,8 @@
-"""Every tunable of nbmoe in one place, each with the environment variable that overrides it.
+"""Every setting of nbmoe that the environment can change, in one place, one line each.
 
-Read once at import. A value here is a default that was measured to be good; the variable is
-for trying another on your machine, not a feature switch.
+Read once at import (the cache folder at each call). The defaults are the fast paths; the
+variables choose exact arithmetic or step around a driver that refuses a feature. Kernel
+constants (block sizes, thresholds) live beside their kernels, where tests patch them.
 """
 import os
 
@@ -16,3 +17,31 @@ def env_flag(name, default):
     """A boolean from the environment ("1" on, "0" off), or default when unset or empty."""
     text = os.environ.get(name, "").strip()
     return default if not text else text not in ("0", "false", "no", "off")
+
+
+def cache_dir():
+    """Kernel cache and default model: $NBMOE_CACHE, else $XDG_CACHE_HOME/nbmoe, else ~/.cache/nbmoe."""
+    if os.environ.get("NBMOE_CACHE"):
+        return os.environ["NBMOE_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nbmoe")
+
+
+# ---- CPU
+# NBMOE_NO_VNNI=1: the portable kernels even where the CPU has AVX-512 VNNI (changes compiled code).
+NO_VNNI = env_flag("NBMOE_NO_VNNI", False)
+# NBMOE_INT8_DOT=0: matrix-vector products in exact float dots, not against x rounded to 8 bits.
+INT8_DOT = env_flag("NBMOE_INT8_DOT", True)
+# NBMOE_GEMM_I8=0: batched products (prompts) by dequantize + BLAS (exact), not gemm_i8's 8-bit x.
+GEMM_I8 = env_flag("NBMOE_GEMM_I8", True)
+
+# ---- CUDA: fallbacks for a driver that refuses a feature
+# NBMOE_NO_GRAPHS=1: launch decoding's kernels one by one instead of replaying CUDA graphs.
+GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)
+# NBMOE_NO_PIN=1: upload offloaded weights from the pageable file mapping (no page-locking).
+PIN = not env_flag("NBMOE_NO_PIN", False)
+# NBMOE_NO_MAPPED=1: hybrid decoding copies its small crossings instead of mapping host memory.
+MAPPED = not env_flag("NBMOE_NO_MAPPED", False)
+
+# The settings above that change compiled code, for the kernel cache's folder name.
+KERNEL_KEY = f"novnni={int(NO_VNNI)}"

@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from nbmoe.errors import NbmoeError
-from nbmoe.paths import cache_dir
+from nbmoe.config import cache_dir
 from nbmoe.loader.upcycle import upcycle
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

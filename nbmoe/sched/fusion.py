@@ -24,12 +24,10 @@ x in 8 bits). The GPU fuses every kind
 (nbmoe/cuda/fused.py), the CPU the products (nbmoe/cpu/fused.py) and, for one token, whole
 blocks (nbmoe/cpu/blocks.py: a compiled call per block instead of a Python step per node).
 """
-import os
 
-# NBMOE_NO_FUSE=1 binds every node on its own (for A/B timings and debugging).
-ENABLED = os.environ.get("NBMOE_NO_FUSE", "") != "1"
-# NBMOE_NO_BLOCKS=1 keeps the block kinds off (the per-node groups stay): A/B of blocks.py.
-BLOCKS = os.environ.get("NBMOE_NO_BLOCKS", "") != "1"
+# Off: every node binds on its own; BLOCKS off: the per-node groups only (tests, tools/tg_overhead.py).
+ENABLED = True
+BLOCKS = True
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 # Kinds a backend offers beyond KINDS (the CUDA backend's; see backend_cuda.fuse_kinds).
 ADD_KINDS = ("down_combine_add", "product_add", "norm_route")

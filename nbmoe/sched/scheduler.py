@@ -33,15 +33,15 @@ The small buffers the CPU reads that the GPU reads too (the normed x, and with -
 router's choices) are mirrored instead: their CPU buffer is mapped host memory, and the
 kernel that writes them (norm_route) writes both copies (`mirror_candidates`). So a hybrid
 decode layer's graph holds no copy at all.
-Measured on an H100 box: see README. NBMOE_NO_MAPPED=1 copies them as the others.
+config.MAPPED off (NBMOE_NO_MAPPED=1) copies them as the others.
 """
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from nbmoe import config
 from nbmoe.model.graph import OPS
 
 # Batch rows from which an op whose weight is in RAM runs on a GPU (llama.cpp's choice):
@@ -52,7 +52,6 @@ OFFLOAD_MIN_BATCH = 32
 GRAPH_MAX_T = 8
 # Crossing buffers up to this size may be mapped host memory (see mapped_crossings).
 MAPPED_MAX_BYTES = 64 << 10
-MAPPED = os.environ.get("NBMOE_NO_MAPPED", "") != "1"
 
 
 @dataclass
@@ -213,7 +212,7 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
                            if graph_mode and name == "CPU" else None)
             for name, be in backends.items()}
     mapped = set()
-    if graph_mode and len(gpus) == 1 and MAPPED:
+    if graph_mode and len(gpus) == 1 and config.MAPPED:
         mapped = mapped_crossings(graph, gpus[0])
         for name in mapped:
             b = graph.buffers[name]
@@ -336,8 +335,8 @@ def mirror_candidates(graph, gpu):
     the ones the GPU reads too, e.g. the router's choices when the GPU computes a share of the
     experts, or the normed x that the GPU's products read). Their CPU buffer is mapped host
     memory, and a kernel that can (norm_route) writes its output there as well as to the
-    device: its step's `mirrors` names them, and no copy step follows. Measured on an H100
-    box: three small copies in a graph cost ~5.8 us, a kernel's writes to mapped memory ~0.3."""
+    device: its step's `mirrors` names them, and no copy step follows (small copies in a
+    graph cost more than a kernel's writes to mapped memory)."""
     writer, out = {}, set()
     for node in graph.nodes:
         if node.backend == "CPU":
