@@ -8,7 +8,8 @@ import pytest
 
 
 def run(args, stdin="", env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
+    """env_extra: variables to set (None: removed)."""
+    env = {k: v for k, v in {**os.environ, **(env_extra or {})}.items() if v is not None}
     return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True,
                           text=True, timeout=600, env=env)
 
@@ -110,3 +111,99 @@ def test_explain_and_timings(moe_model):
     assert "tensor placement" in r.stderr and "ffn_up_exps.weight" in r.stderr
     assert "schedule per micro-batch" in r.stderr and "MUL_MAT_ID" in r.stderr
     assert "Python scheduling" in r.stderr
+
+
+# ---- bad flag values: one line, exit 2, before any model loads ---------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["nbmoe.bench", "-t", "0"], "argument -t/--threads: must be at least 1, got 0"),
+    (["nbmoe.bench", "-r", "0"], "argument -r/--repetitions: must be at least 1, got 0"),
+    (["nbmoe.bench", "-p", "-5"], "argument -p/--n-prompt: must be 0 or more"),
+    (["nbmoe.bench", "-n", "-5"], "argument -n/--n-gen: must be 0 or more"),
+    (["nbmoe", "-n", "-5"], "argument -n/--n-predict: must be at least 1, or -1"),
+    (["nbmoe", "-t", "0"], "argument -t/--threads: must be at least 1, got 0"),
+])
+def test_bad_value_one_line(args, message):
+    r = run(args, stdin="hi\n")
+    assert r.returncode == 2 and message in one_line_error(r)
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("bench", ["-t", "1,0"], "-t/--threads: must be at least 1, got 0"),
+    ("bench", ["-p", "0", "-n", "0"], "nothing to run: every -p and -n is 0"),
+    ("bench", ["-p", "x"], "-p/--n-prompt: expected a comma list of integers, got 'x'"),
+    ("bench", ["-ub", "0"], "-ub/--ubatch-size: must be at least 1, got 0"),
+    ("bench", ["-ub", ","], "-ub/--ubatch-size: expected a comma list of integers, got ','"),
+    ("bench", ["-ngl", "-1"], "-ngl/--n-gpu-layers: must be 0 or more"),
+    ("bench", ["-ngl", "x"], "-ngl/--n-gpu-layers: expected a comma list of integers, got 'x'"),
+    ("bench", ["-rtr", "2"], "-rtr/--run-time-repack: must be 0 or 1, got 2"),
+    ("bench", ["-zce", "-1"], "-zce/--zero-copy-experts: must be 'auto' or 0 or more, got -1"),
+    ("bench", ["-b", "0"], "-b/--batch-size: must be at least 1, got 0"),
+    ("bench", ["-o", "xml"], "-o/--output: invalid choice: 'xml'"),
+    ("bench", ["--n-cpu-moe", "-2"], "--n-cpu-moe: must be 0 or more, got -2"),
+    ("chat", ["-c", "-1"], "-c/--ctx-size: must be 0 or more"),
+    ("chat", ["-ub", "0"], "-ub/--ubatch-size: must be at least 1, got 0"),
+    ("chat", ["--temp", "-1"], "--temp: must be 0 or more (0 = greedy), got -1.0"),
+    ("chat", ["--temp", "nan"], "--temp: must be 0 or more"),
+    ("chat", ["--top-k", "-1"], "--top-k: must be 0 or more"),
+    ("chat", ["--top-p", "1.5"], "--top-p: must be between 0 and 1 (1 = off), got 1.5"),
+    ("chat", ["--min-p", "-0.1"], "--min-p: must be between 0 and 1"),
+    ("chat", ["--repeat-penalty", "0"], "--repeat-penalty: must be above 0"),
+    ("chat", ["--seed", "-2"], "--seed: must be 0 or more, or -1 (random), got -2"),
+    ("chat", ["-n", "0"], "-n/--n-predict: must be at least 1, or -1"),
+    ("chat", ["-zce", "x"], "-zce/--zero-copy-experts: expected 'auto' or a number, got 'x'"),
+    ("chat", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_every_flag_checked(tool, args, message, capsys):
+    """The sweep over both tools' flags, in this process (the same parser as above)."""
+    from nbmoe.cli import bench, chat
+    with pytest.raises(SystemExit) as e:
+        (bench if tool == "bench" else chat).parse_args(args)
+    assert e.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+
+
+def test_good_edge_values_accepted():
+    from nbmoe.cli import bench, chat
+    a = chat.parse_args(["-n", "-1", "-c", "0", "--seed", "-1", "--temp", "0", "--top-p", "1",
+                         "--top-k", "0", "--min-p", "0", "-zce", "0"])
+    assert (a.n_predict, a.ctx_size, a.seed) == (-1, 0, -1)
+    b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2"])
+    assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
+
+
+def warnings_of(r):
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+
+
+def test_more_threads_and_ngl_without_gpu_warn(moe_model):
+    """As llama.cpp: more threads than cores and -ngl without a GPU go on, each with one
+    warning line (Numba's pool caps the threads)."""
+    import numba
+    pool = numba.config.NUMBA_NUM_THREADS
+    r = run(["nbmoe.bench", "-m", moe_model, "-t", "64", "-ngl", "99", "-p", "0", "-n", "2",
+             "-r", "1", "-o", "json", "--no-bandwidth"], env_extra={"NUMBA_ENABLE_CUDASIM": None})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    rows = json.loads(r.stdout)
+    assert [x["n_threads"] for x in rows] == [pool]
+    no_gpu = ["warning: no usable CUDA GPU: -ngl 99 is ignored, every layer runs on the CPU"]
+    assert warnings_of(r) == [
+        f"warning: 64 threads asked, but Numba's pool has {pool} (NUMBA_NUM_THREADS, by default "
+        f"the core count): using {pool}"] + (no_gpu if rows[0]["backends"] == "CPU" else []), r.stderr
+
+
+def test_chat_more_threads_and_output_closed_early(moe_model):
+    """The chat: -t 64 warns once and goes on; `| head` (the reader leaves mid-reply) ends it
+    without a traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "nbmoe", "-m", moe_model, "-n", "-1", "-c", "4096",
+                          "--temp", "0", "-t", "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdin.write("hello\n")
+    p.stdin.close()
+    assert len(p.stdout.read(10)) == 10
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=600) != 0 and "Traceback" not in err, err
+    warned = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert len(warned) == 1 and "64 threads asked" in warned[0], err

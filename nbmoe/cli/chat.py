@@ -106,7 +106,7 @@ class Chat:
         else:                           # stopped before a word: the turn is forgotten
             self.messages.pop()
         if stop.requested:
-            err_console.print("[yellow]stopped[/]")
+            err_console.print("[yellow]reply stopped[/]")
         elif self.llm.last_stats.get("stop") == "context":
             err_console.print(f"[yellow]the reply filled the context ({self.llm.n_ctx} tokens) and was cut; "
                               "the next message drops the oldest turns[/]")
@@ -141,28 +141,29 @@ def command(chat, text):
 def repl(chat, banner):
     """Answer line after line. On a terminal an error in one turn is printed and the chat
     goes on; with piped input it ends the program (status 1), as a script expects."""
-    from nbmoe.cli.repl import LineReader, StopOnCtrlC
+    from nbmoe.cli.repl import CtrlC, LineReader
     from nbmoe.text.chat_template import ChatTemplateError
-    reader = LineReader()
-    if reader.interactive:
-        err_console.print(banner)
-    while (line := reader.read()) is not None:
-        text = line.strip()
-        if not text:
-            continue
-        if text.startswith("/") and " " not in text:
-            if not command(chat, text):
-                break
-            continue
-        try:
-            with StopOnCtrlC() as stop:
-                chat.reply(text, sys.stdout, stop)
-        except (NbmoeError, ChatTemplateError) as e:
-            if not reader.interactive:
-                raise NbmoeError(str(e)) from None
-            err_console.print(f"[bold red]error:[/] {e}")
-            continue
-        err_console.print(f"[dim]{chat.stats_line()}[/]")
+    with CtrlC() as ctrl_c:
+        reader = LineReader(ctrl_c)
+        if reader.interactive:
+            err_console.print(banner)
+        while (line := reader.read()) is not None:
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/") and " " not in text:
+                if not command(chat, text):
+                    break
+                continue
+            try:
+                with ctrl_c.during("reply") as stop:
+                    chat.reply(text, sys.stdout, stop)
+            except (NbmoeError, ChatTemplateError) as e:
+                if not reader.interactive:
+                    raise NbmoeError(str(e)) from None
+                err_console.print(f"[bold red]error:[/] {e}")
+                continue
+            err_console.print(f"[dim]{chat.stats_line()}[/]")
 
 
 def main(argv=None):

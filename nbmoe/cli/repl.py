@@ -6,12 +6,47 @@ input is read line by line, as plain input().
 """
 import signal
 import sys
+from contextlib import contextmanager
+
+
+class CtrlC:
+    """The chat's SIGINT handler for its whole life, so that a Ctrl-C never lands in the middle
+    of other work: during a reply the first asks it to stop after the current token
+    (`requested`) and a second interrupts at once (KeyboardInterrupt, e.g. in a long prompt);
+    while a plain line is read it clears the line; elsewhere it is ignored."""
+
+    def __init__(self):
+        self.mode, self.requested = None, False
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def _handler(self, signum, frame):
+        if self.mode == "reply" and not self.requested:
+            self.requested = True
+        elif self.mode is not None:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def during(self, mode):
+        """mode: "reply" or "read"."""
+        self.mode, self.requested = mode, False
+        try:
+            yield self
+        finally:
+            self.mode = None
 
 
 class LineReader:
     """read() -> the next line, "" when Ctrl-C cleared it, None at the end of the input."""
 
-    def __init__(self):
+    def __init__(self, ctrl_c):
+        self.ctrl_c = ctrl_c
         self.interactive = sys.stdin.isatty()
         self.session = None
         if self.interactive and sys.stdout.isatty():
@@ -23,12 +58,13 @@ class LineReader:
 
     def read(self):
         try:
-            if self.session is not None:
+            if self.session is not None:     # raw mode: Ctrl-C is a key, prompt() raises
                 return self.session.prompt([("ansigreen bold", "> ")])
             if self.interactive:
                 from nbmoe.cli.common import err_console
                 err_console.print("[bold green]> [/]", end="")
-            line = sys.stdin.readline()
+            with self.ctrl_c.during("read"):
+                line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
         except KeyboardInterrupt:
             if self.session is None and self.interactive:
@@ -36,22 +72,3 @@ class LineReader:
             return ""
         except EOFError:
             return None
-
-
-class StopOnCtrlC:
-    """While a reply is generated: the first Ctrl-C asks it to stop after the current token
-    (`requested`), a second one interrupts at once (KeyboardInterrupt, e.g. in a long prompt)."""
-
-    def __enter__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous)
-        return False
