@@ -6,8 +6,9 @@ import datetime
 import pytest
 from test_tokenizer import load_tokenizer
 
+from nbmoe.errors import NbmoeError
 from nbmoe.text.chat_template import (CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplateError, chat_prompt_ids,
-                        default_template, render_chat)
+                        default_template, fit_context, render_chat)
 
 HI = [{"role": "user", "content": "Hi"}]
 TURNS = [
@@ -115,3 +116,49 @@ def test_trim_and_lstrip_blocks():
 def test_sandboxed():
     with pytest.raises(Exception):
         render_chat("{{ ''.__class__.__mro__[1].__subclasses__() }}", [], "", "")
+
+
+# ---- a conversation longer than the context ------------------------------------------------
+
+LONG = [{"role": "system", "content": "Be brief."}] + [
+    {"role": role, "content": f"{role} message number {i}, with a few more words in it"}
+    for i in range(4) for role in ("user", "assistant")] + [{"role": "user", "content": "last"}]
+
+
+def test_fit_context_keeps_everything_that_fits():
+    tok = load_tokenizer("smollm2")
+    ids, kept, dropped = fit_context(tok, LONG, 4096, 256)
+    assert (ids, kept, dropped) == (chat_prompt_ids(tok, LONG), LONG, 0)
+
+
+@pytest.mark.parametrize("turns_left", [0, 1, 3])
+def test_fit_context_drops_oldest_turns(turns_left):
+    """The context holds the system prompt, the newest turns_left exchanges, the new message
+    and the reserve exactly: the older exchanges go, a user message with its reply at a time."""
+    tok = load_tokenizer("smollm2")
+    want = LONG[:1] + LONG[len(LONG) - 1 - 2 * turns_left:]
+    reserve = 40
+    n_ctx = len(chat_prompt_ids(tok, want)) + reserve
+    ids, kept, dropped = fit_context(tok, LONG, n_ctx, reserve)
+    assert kept == want and dropped == len(LONG) - len(want)
+    assert ids == chat_prompt_ids(tok, want) and len(ids) + reserve == n_ctx
+    _, kept, _ = fit_context(tok, LONG, n_ctx - 1, reserve)     # one token less: one more turn goes
+    assert kept == LONG[:1] + LONG[len(LONG) - 1 - 2 * max(0, turns_left - 1):]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])   # gemma's template raises unless
+def test_fit_context_without_system_message(model):         # the roles alternate
+    tok = load_tokenizer(model)
+    turns = LONG[1:]
+    n_ctx = len(chat_prompt_ids(tok, turns[-3:])) + 8
+    ids, kept, dropped = fit_context(tok, turns, n_ctx, 8)
+    assert kept == turns[-3:] and kept[0]["role"] == "user" and dropped == len(turns) - 3
+
+
+def test_fit_context_message_too_long():
+    tok = load_tokenizer("smollm2")
+    alone = len(chat_prompt_ids(tok, LONG[:1] + LONG[-1:]))
+    ids, kept, _ = fit_context(tok, LONG, alone + 1, 100)   # no room for the reserve: go on anyway
+    assert kept == LONG[:1] + LONG[-1:] and len(ids) == alone
+    with pytest.raises(NbmoeError, match=f"takes {alone} tokens .* holds {alone}: not sent"):
+        fit_context(tok, LONG, alone, 0)
