@@ -58,3 +58,61 @@ def test_load_keeps_numpys_blas_to_one_thread(llm):
     mul_mat(out, w.view(np.uint8), x, int(GGMLQuantizationType.F32))
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
+
+
+# ---- generation's end, the context, threads ----------------------------------------------
+
+def test_generate_reports_why_it_stopped(tiny_model):
+    llm = nbmoe.load(tiny_model("qwen3", default_type="Q8_0"), n_ctx=32, threads=1)
+    prompt = [5, 6, 7, 8]
+    out = list(llm.generate_ids(prompt, max_tokens=-1, stop_ids=()))    # until the context's end
+    assert llm.last_stats["stop"] == "context" and len(llm.tokens) == 32
+    assert len(out) == 32 - len(prompt) + 1     # the last token is returned, not yet cached
+    llm.reset()
+    assert list(llm.generate_ids(prompt, max_tokens=3, stop_ids=())) == out[:3]
+    assert llm.last_stats["stop"] == "length"
+    llm.reset()
+    k = next(i for i in range(1, len(out)) if out[i] not in out[:i])    # a token not seen before
+    assert list(llm.generate_ids(prompt, max_tokens=-1, stop_ids={out[k]})) == out[:k]
+    assert llm.last_stats["stop"] == "stop"
+
+
+def test_context_and_threads_arguments(tiny_model):
+    import numba
+    path = tiny_model("qwen3", default_type="Q8_0")
+    assert nbmoe.load(path, n_ctx=0, threads=1).n_ctx == 2048        # the model's context_length
+    with pytest.raises(nbmoe.NbmoeError, match="context size must be 0 or more"):
+        nbmoe.load(path, n_ctx=-1)
+    with pytest.raises(nbmoe.NbmoeError, match="threads must be at least 1, got 0"):
+        nbmoe.load(path, threads=0)
+    pool = numba.config.NUMBA_NUM_THREADS
+    with pytest.warns(UserWarning, match=f"1000 threads asked, but Numba's pool has {pool}"):
+        llm = nbmoe.load(path, n_ctx=16, threads=1000)
+    assert llm.threads == pool and llm.eval([1, 2]).shape == (2, llm.cfg.n_vocab)
+
+
+# ---- the README's example, as written, on the default model ------------------------------
+
+def readme_api_example():
+    """The README's first Python block that calls nbmoe.load."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    return next(b for b in blocks if "nbmoe.load(" in b)
+
+
+def test_readme_api_example_runs(smollm2_path, capsys):
+    """Runs the README's example exactly as written: it must load the default model
+    (nbmoe.load() without a path) and print what it generates."""
+    from nbmoe.loader.default_model import default_model_path
+    code = readme_api_example()
+    ns = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    llm = ns["llm"]
+    assert llm.path == default_model_path()
+    printed = capsys.readouterr().out
+    assert printed.strip(), "the example printed nothing"
+    if "logits" in ns and "ids" in ns:
+        assert ns["logits"].shape == (len(ns["ids"]), llm.cfg.n_vocab)
