@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import nbmoe
-from nbmoe.model.forward import reference
+from nbmoe.model import reference
 from nbmoe.cpu import matmul
 
 ARCHS = {
