@@ -13,8 +13,8 @@ import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads;
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
-from test_cuda_kernels import _simulator_speed  # noqa: E402,F401  (fixture)
-from test_cuda_kernels import _attn_case, check, dev, poisoned  # noqa: E402
+from cuda_common import _simulator_speed  # noqa: E402,F401  (fixture)
+from cuda_common import attn_case, check, dev, poisoned  # noqa: E402
 
 import naive  # noqa: E402
 from nbmoe.cuda import attention as att  # noqa: E402
@@ -95,7 +95,7 @@ def test_pack_f16x2_rounds_to_nearest_even():
 def test_flash_attention(T, H, Hkv, Dh, pos0, window, monkeypatch):
     monkeypatch.setattr(att, "FLASH", True)
     assert T > att.SPLIT_MAX_T and flash.supported(Dh)
-    q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T + Dh + window)
+    q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T + Dh + window)
     for c in (kc, vc):                               # NaN in the unused cache rows: never read
         h = c.copy_to_host()
         h[pos0 + T:] = 0x7E00

@@ -1,6 +1,6 @@
 """CUDA kernels for the K-quants and the 4-bit table types (nbmoe/cuda/quants_k.py, quants_iq4.py)
 vs gguf-py's dequantize + float64 NumPy, under Numba's CUDA simulator (as test_cuda_kernels.py,
-whose helpers and small tile sizes this file uses).
+with cuda_common's helpers and small tile sizes).
 
 Weights are random bytes with sane scales (tools/ref_quant.random_blocks): every code and
 sub-scale bit pattern, decoded by gguf-py for the reference. K = 512 (two super-blocks) for the
@@ -15,8 +15,8 @@ from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from ref_quant import random_blocks  # noqa: E402
-from test_cuda_kernels import _simulator_speed, small  # noqa: E402,F401  (fixtures)
-from test_cuda_kernels import _mul_mat_id_ref, check, check_x8, dev, poisoned, rnd  # noqa: E402
+from cuda_common import _simulator_speed, small  # noqa: E402,F401  (fixtures)
+from cuda_common import check, check_x8, dev, mul_mat_id_ref, poisoned, rnd  # noqa: E402
 
 from nbmoe.cuda import matmul, quants  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_mul_mat_id(name, small, monkeypatch):
         int8 = T <= 2 and matmul.INT8_DOT and has_int8(name)
         kind = "vec" if T <= 2 else "grouped"
         check_x8(f"mul_mat_id {kind} {name}", out.copy_to_host(), x,
-                 lambda x_: _mul_mat_id_ref(wref, x_, ids), int8)
+                 lambda x_: mul_mat_id_ref(wref, x_, ids), int8)
 
 
 def test_mxfp4_exponents(small):

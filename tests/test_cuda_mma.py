@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from numba import cuda  # noqa: E402
-from test_cuda_kernels import _simulator_speed  # noqa: E402,F401  (fixture)
-from test_cuda_kernels import _mul_mat_id_ref, check_x8, dev, poisoned, quantize, rnd  # noqa: E402
+from cuda_common import _simulator_speed  # noqa: E402,F401  (fixture)
+from cuda_common import check_x8, dev, mul_mat_id_ref, poisoned, quantize, rnd  # noqa: E402
 from test_cuda_kquants import weights  # noqa: E402
 
 from nbmoe.cuda import matmul, matmul_mma, quants  # noqa: E402
@@ -123,7 +123,7 @@ def test_mul_mat_id_mma(name, X, tiles):
     out = poisoned((T, A, M))
     matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
     check_x8(f"mma mul_mat_id {name} X={X}", out.copy_to_host(), x,
-             lambda x_: _mul_mat_id_ref(wref, x_, ids), True)
+             lambda x_: mul_mat_id_ref(wref, x_, ids), True)
 
 
 def test_x_ready_mma(tiles):
@@ -155,7 +155,7 @@ def test_grouped_reuses_the_last_grouping(tiles):
         out = poisoned((T, A, M))
         matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]), grouped=i > 0)
         check_x8(f"mma mul_mat_id {name} grouped={i > 0}", out.copy_to_host(), x,
-                 lambda x_: _mul_mat_id_ref(wref, x_, ids), True)
+                 lambda x_: mul_mat_id_ref(wref, x_, ids), True)
     be = object.__new__(CUDABackend)
     buf = {"ids0": ids, "ids1": ids}
     gate, up = SimpleNamespace(srcs=("h", "ids0")), SimpleNamespace(srcs=("h", "ids0"))

@@ -10,7 +10,7 @@ import pytest
 import nbmoe
 from nbmoe.sched import scheduler
 from nbmoe.cpu import matmul
-from test_cuda_kernels import _simulator_speed  # noqa: F401  (fixture: a short GIL switch interval)
+from cuda_common import _simulator_speed  # noqa: F401  (fixture: a short GIL switch interval)
 
 # The simulator runs every CUDA thread as a Python thread: the model is tiny, the output
 # layer (295 vocabulary rows) stays on the CPU, and offload thresholds are patched low.

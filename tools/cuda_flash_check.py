@@ -24,7 +24,7 @@ from numba import cuda  # noqa: E402
 
 from nbmoe.cuda import attention as att  # noqa: E402
 from nbmoe.cuda import flash  # noqa: E402
-from nbmoe.cuda.matmul import _time_ms  # noqa: E402
+from cuda_matmul_bench import time_ms  # noqa: E402
 
 TOL = 5e-3
 
@@ -69,7 +69,7 @@ def main():
         att.FLASH = False
         run(0)
         ref = out.copy_to_host()
-        t_w = _time_ms(run, a.n)
+        t_w = time_ms(run, a.n)
         att.FLASH = True
         for cfg in configs:
             for k, v in zip(keys, cfg):
@@ -79,7 +79,7 @@ def main():
                 out.copy_to_device(np.full((T, H, Dh), np.nan, np.float32))
                 run(0)
                 got = out.copy_to_host()
-                t_f = _time_ms(run, a.n)
+                t_f = time_ms(run, a.n)
             except Exception as e:        # a configuration over the register / shared memory limits
                 print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 failed += cfg == default

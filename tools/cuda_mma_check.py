@@ -30,7 +30,7 @@ from ref_quant import random_rows  # noqa: E402
 
 from nbmoe.cuda import matmul as mm  # noqa: E402
 from nbmoe.cuda import matmul_mma  # noqa: E402
-from nbmoe.cuda.matmul import _time_ms  # noqa: E402
+from cuda_matmul_bench import time_ms  # noqa: E402
 
 TOL_X8 = 2e-2       # vs the float path, x as given (8-bit rounding of x)
 TOL_GRID = 1e-4     # vs the float path, x on the 8-bit grid
@@ -89,7 +89,7 @@ def main():
             ref = o.copy_to_host()
             run(xgrid)
             ref_g = o.copy_to_host()
-            t_f = _time_ms(lambda i: run(xin), a.n)
+            t_f = time_ms(lambda i: run(xin), a.n)
             mm.MMA = True
             for cfg in configs:
                 for k, v in zip(keys, cfg):
@@ -100,7 +100,7 @@ def main():
                     got = o.copy_to_host()
                     run(xgrid)
                     got_g = o.copy_to_host()
-                    t_m = _time_ms(lambda i: run(xin), a.n)
+                    t_m = time_ms(lambda i: run(xin), a.n)
                 except Exception as e:        # a tile configuration over the register / shared memory limits
                     print(f"{name_} tile {'x'.join(map(str, cfg))}: {type(e).__name__}: {str(e)[:100]}",
                           flush=True)

@@ -30,6 +30,7 @@ from ref_quant import random_rows  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from nbmoe.cuda import device_fn, dp4a, fused, ld_f32, ld_i32, matmul, mmv_q8, warp_sum  # noqa: E402
+from nbmoe.cuda.x8 import quantize_x  # noqa: E402
 from nbmoe.cuda.graphs import ENABLED as GRAPHS, GraphRun  # noqa: E402
 from nbmoe.cuda.quants import qtype_info  # noqa: E402
 
@@ -142,10 +143,10 @@ def on_grid(x):
 
 
 def x8(x):
-    """Device copies of x's 8-bit form (xq, xds), owned by the case (matmul's buffers are shared)."""
+    """Device copies of x's 8-bit form (xq, xds), owned by the case (the 8-bit buffers are shared)."""
     dx = cuda.to_device(np.ascontiguousarray(x, f32))
     n_rows, K = x.size // x.shape[-1], x.shape[-1]
-    xq, xds = matmul._quantize_x(dx, n_rows, K, 0)
+    xq, xds = quantize_x(dx, n_rows, K, 0)
     cuda.synchronize()
     return (cuda.to_device(xq.copy_to_host()[:n_rows * K // 4]),
             cuda.to_device(xds.copy_to_host()[:n_rows * K // 16]))

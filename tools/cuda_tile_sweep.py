@@ -11,8 +11,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from cuda_matmul_bench import time_ms
 from nbmoe.cuda import matmul as mm
-from nbmoe.cuda.matmul import _time_ms, cuda
+from numba import cuda
 
 CONFIGS = [(64, 64, 4, 4), (128, 128, 8, 8), (128, 64, 8, 4), (64, 128, 4, 8), (128, 64, 4, 4),
            (128, 128, 8, 4)]
@@ -41,8 +42,8 @@ def main():
                 continue
             mm.TILE_M, mm.TILE_T, mm.TILE_RM, mm.TILE_RT, mm.TILE_T_ID = tm, tt, rm, rt, tid
             try:
-                t = _time_ms(lambda i: mm.mul_mat(out, dw, x, qt), 5)
-                te = _time_ms(lambda i: mm.mul_mat_id(oute, dwe, xe, ids, qt), 3)
+                t = time_ms(lambda i: mm.mul_mat(out, dw, x, qt), 5)
+                te = time_ms(lambda i: mm.mul_mat_id(oute, dwe, xe, ids, qt), 3)
             except Exception as e:   # too many registers / shared memory for this config
                 print(f"{name} {tm}x{tt} r{rm}x{rt} id{tid}: {type(e).__name__}: {str(e)[:80]}")
                 continue

@@ -9,6 +9,8 @@ OUT=${OUT:-gpu_report}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/q3moe-30b.gguf}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 steps=${*:-tests model bench-gpu bench-hybrid}
+# the bench with every node bound on its own (fusion.ENABLED off): python -c "$UNFUSED" <bench args>
+UNFUSED='from nbmoe.sched import fusion; fusion.ENABLED = False; from nbmoe.cli.bench import main; main()'
 
 step() {   # name, seconds, command...
     local name=$1 secs=$2; shift 2
@@ -19,15 +21,14 @@ step() {   # name, seconds, command...
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for s in $steps; do case $s in
-  tests) NBMOE_REAL_GPU=1 step tests 500 python -m pytest -q -x tests/test_cuda_kernels.py \
-             tests/test_cuda_kquants.py tests/test_cuda_mma.py tests/test_cuda_flash.py tests/test_hybrid.py ;;
+  tests) NBMOE_REAL_GPU=1 step tests 500 python -m pytest -q -x tests/test_cuda_*.py tests/test_hybrid.py ;;
   hybrid-tests) NBMOE_REAL_GPU=1 step hybrid-tests 300 python -m pytest -q -x tests/test_hybrid.py ;;
-  tg-ab) # decode with and without the fused groups (NBMOE_NO_FUSE=1), all on GPU and hybrid
+  tg-ab) # decode with and without the fused groups, all on GPU and hybrid
          step tg-gpu 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2 --timings
-         NBMOE_NO_FUSE=1 step tg-gpu-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2
+         step tg-gpu-nofuse 200 python -c "$UNFUSED" -m "$MODEL" -ngl 99 -p 0 -n 128 -r 2
          step tg-hybrid 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -p 0 \
              -n 128 -r 2 --timings
-         NBMOE_NO_FUSE=1 step tg-hybrid-nofuse 200 python -m nbmoe.bench -m "$MODEL" -ngl 99 \
+         step tg-hybrid-nofuse 200 python -c "$UNFUSED" -m "$MODEL" -ngl 99 \
              -ot exps=CPU -t 16 -p 0 -n 128 -r 2 ;;
   trace) # a decode token step by step as the host sees it (graph launch / device / wait)
          step trace-hybrid 240 python tools/hybrid_trace.py -m "$MODEL" -ngl 99 -ot exps=CPU -t 16 -n 32
@@ -51,7 +52,7 @@ for s in $steps; do case $s in
              -ub 512,2048 -r 2 -t 16 ;;
   bench-hybrid) step bench-hybrid 500 python -m nbmoe.bench -m "$MODEL" -ngl 99 -ot exps=CPU \
              -t 16 -p 512,2048 -n 128 -ub 512,2048 -r 2 --timings ;;
-  kernels) step kernels 300 python -m nbmoe.cuda.matmul ;;
+  kernels) step kernels 300 python tools/cuda_matmul_bench.py ;;
   tiles) step tiles 300 python tools/cuda_tile_sweep.py ;;
   profile) command -v nsys >/dev/null || { echo "no nsys"; continue; }
            # kernels inside the recorded graphs, one by one (--cuda-graph-trace=node)

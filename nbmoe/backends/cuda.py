@@ -1,16 +1,18 @@
-"""The CUDA backend: the same binders as the CPU (backends/cpu.py) over numba.cuda kernels.
+"""The CUDA backend: the same binders as the CPU (backends/cpu.py) over numba.cuda kernels;
+those that save launches (8-bit x handed on, fused groups) are in cuda_fusion.py.
 
 Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
 each run into a scratch buffer; for expert products only the experts the router chose are
-uploaded (their ids come to the host first, a few bytes). PCIe runs ~5x faster from
-page-locked than from pageable memory, so on first use the span of the file mapping that
-holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads then
-read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
-refuses that, each weight gets a pinned copy on first use instead. NBMOE_NO_PIN=1 uploads
-straight from the pageable mapping. Expert products of cause `zc` (a one-token MoE layer's
-GPU share, scheduler.py) read their RAM weights in place through the same locked mapping,
-which is also mapped into the GPU's address space: nothing is copied at all.
+uploaded (their ids come to the host first, a few bytes). PCIe runs several times faster
+from page-locked than from pageable memory, so on first use the span of the file mapping
+that holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads
+then read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
+refuses that, each weight gets a pinned copy on first use instead. config.PIN off
+(NBMOE_NO_PIN=1) uploads straight from the pageable mapping. Expert products of cause `zc`
+(a one-token MoE layer's GPU share, scheduler.py) read their RAM weights in place through
+the same locked mapping, which is also mapped into the GPU's address space: nothing is
+copied at all.
 
 Several GPUs: numba-cuda allocates, launches and copies in the calling thread's current CUDA
 context, so a backend makes its GPU's context current (`activate`) before it allocates or
@@ -20,12 +22,12 @@ buffers are then pinned for every context (portable), since any GPU may copy thr
 import atexit
 import functools
 import inspect
-import os
 
 import numpy as np
 
-from nbmoe.sched import fusion
-from nbmoe.backends.cpu import Backend, _act, _labelled, _rows2d, chosen_slots
+from nbmoe import config
+from nbmoe.backends.cpu import Backend
+from nbmoe.backends.cuda_fusion import FusionBinders
 from nbmoe.errors import NbmoeError
 
 
@@ -40,8 +42,8 @@ _contexts_at_exit = []
 
 def _skip_frees_at_exit():
     """With several GPUs, numba-cuda's exit-time finalizers crashed the process (a segfault or
-    glibc's "double free" in cuLibraryUnload, 2 x H200): its deferred frees are switched off
-    at exit instead; the driver releases every context's memory when the process ends."""
+    glibc's "double free" in cuLibraryUnload): its deferred frees are switched off at exit
+    instead; the driver releases every context's memory when the process ends."""
     for ctx in _contexts_at_exit:
         held = ctx.deallocations.disable()      # a generator context: kept, never exited
         held.__enter__()
@@ -141,14 +143,14 @@ class _OnStream:
         return attr
 
 
-class CUDABackend(Backend):
+class CUDABackend(FusionBinders, Backend):
     positions_on_device = True   # attention reads positions from the pos buffer (graphs)
 
     def __init__(self, name, tensors, resident, in_ram=(), zero_copy=()):
         super().__init__(tensors)
         from numba import cuda
 
-        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, ops
+        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, ops, x8
         self.sim = SIM
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = _device_index(name)
@@ -163,8 +165,8 @@ class CUDABackend(Backend):
             _contexts_at_exit.append(self.context)
         # One stream per GPU, blocking: copies on the default stream stay ordered with it.
         self.stream = cuda.stream()
-        self.mm, self.ops, self.attn, self.moe, self.fused = (
-            _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused))
+        self.mm, self.ops, self.attn, self.moe, self.fused, self.x8 = (
+            _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused, x8))
         self.resident = {}
         # RAM-resident matrices (uploaded when offloaded), those of them the GPU reads in place
         self.in_ram, self.zero_copy, self.zero_copy_views = set(in_ram) | set(zero_copy), set(zero_copy), {}
@@ -173,7 +175,7 @@ class CUDABackend(Backend):
         self.pinned = {}
         self.scratch = {}
         self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (PrefetchChain)
-        self.pin = os.environ.get("NBMOE_NO_PIN", "") != "1"
+        self.pin = config.PIN
         for n in resident:
             t = tensors[n]
             if len(t.ne) == 1:
@@ -329,255 +331,6 @@ class CUDABackend(Backend):
         if b is None or b.size < n:
             b = self.scratch[key] = self.alloc((n,), np.uint8)
         return b[:n].reshape(shape)
-
-    # -- launches saved by fusion, decided while binding ------------------------------------
-    # Binding follows run order, and a node's closure reads a small dict (`cell`) at run time,
-    # so the node bound next may still change what it does (a recorded graph sees the result):
-    #   ADD x = x + y, then RMS_NORM of x: one rms_norm(add=y) launch, the norm's step is empty;
-    #   RMS_NORM or attention, then an 8-bit product of its output: the norm (attention) also
-    #   writes the 8-bit x;
-    #   products of the same input in a row (q, k, v; gate, up): one quantization of x; the
-    #   experts' gate / up after norm_route, which writes their 8-bit x.
-    # The input is unchanged in between: any writer would have been bound in between, and a
-    # copy into it would mean it was not valid here before. `_last` describes the node bound
-    # last on this GPU, with its buffer table (so nothing fuses across plans): ("add", node,
-    # buf, cell), ("writer", (id(buf), out), cell, rows, n) or ("x8", (id(buf), x), rows, K).
-    # Longer runs (fusion.find_groups, see Backend.prepare) bind as one: the members after
-    # the first carry the record of the node before the group (or the one the group's binder
-    # leaves).
-    fuse_kinds = fusion.KINDS + fusion.ADD_KINDS
-    _last = None
-
-    def vec_ok(self, node, n_tokens):
-        t = self.tensors[node.weight]
-        return self.mm.quantizes_x(int(t.ggml_type), n_tokens, int(t.ne[0]))
-
-    def bind(self, node, buf, state):
-        self.activate()
-        self._prev, self._last = self._last, None
-        group = self._groups.get(id(node))
-        if group is not None and node is not group[1][0]:
-            self._last = self._prev
-        return super().bind(node, buf, state)
-
-    def bind_add(self, node, buf, state):
-        out, a, b = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
-        ops, cell = self.ops, {}
-        if node.out == node.srcs[0]:
-            self._last = ("add", node, buf, cell)
-
-        def run():
-            fused = cell.get("norm")
-            if fused is None:
-                ops.add(out, a, b)
-            else:
-                fused()
-        return run
-
-    def bind_rms_norm(self, node, buf, state):
-        w, eps, ops, mm, cell = self.vector(node.weight), node.params["eps"], self.ops, self.mm, {}
-        n = w.shape[0]
-        x, out = buf[node.srcs[0]], buf[node.out]
-        add = None
-        prev = self._prev
-        if ("src_rows" not in node.params and prev and prev[0] == "add" and prev[2] is buf
-                and prev[1].out == node.srcs[0] and x.size // x.shape[0] == n):
-            add = buf[prev[1].srcs[1]]
-        elif "src_rows" in node.params:
-            lo, hi = node.params["src_rows"]
-            x = x[lo:hi]
-        rows = x.size // n
-        self._last = ("writer", (id(buf), node.out), cell, rows, n)
-
-        def norm():
-            x8 = cell.get("x8")
-            xq, xds = mm.x8_buffers(rows, n) if x8 else (None, None)
-            ops.rms_norm(out, x, w, eps, add=add, xq=xq, xds=xds)
-        if add is None:
-            return norm
-        prev[3]["norm"] = norm                 # the ADD's step runs the fused launch
-        return lambda: None
-
-    def _x_ready(self, node, buf, qtype, rows, K):
-        """Whether x (rows of K) is already in the 8-bit buffers when this product runs."""
-        key = (id(buf), node.srcs[0])
-        if not self.mm.quantizes_x(qtype, rows, K):
-            return False
-        self._last = ("x8", key, rows, K)
-        prev = self._prev
-        if prev and prev[0] == "x8" and prev[1:] == (key, rows, K):
-            return True                        # the product before quantized this x
-        if prev and prev[0] == "writer" and prev[1] == key and prev[3:] == (rows, K) and K % 32 == 0:
-            prev[2]["x8"] = True               # the norm (attention) writes x in 8 bits too
-            return True
-        return False
-
-    def _resident_mul_mat(self, node, buf):
-        out, w, x, qtype = self.mul_mat_operands(node, buf)
-        mm = self.mm
-        ready = self._x_ready(node, buf, qtype, x.shape[0], x.shape[1])
-        return lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready)
-
-    def _resident_mul_mat_id(self, node, buf):
-        out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
-        mm = self.mm
-        ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
-        grouped = self._grouped(node, buf, ids, w.shape[0], mm.id_tile(qtype, x.shape[2], x.shape[0]))
-        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped)
-
-    # A prompt's expert products group their (token, expert) pairs by expert first (a kernel
-    # launch, matmul._group_by_expert); a MoE layer's gate, up and down products share their
-    # ids, and steps run in the order they are bound, so a product whose ids, experts and tile
-    # are those of the grouping bound last on this GPU reuses its table. Anything else that
-    # groups (an offloaded product) is bound in between and resets the record.
-    _grouping = None
-
-    def _grouped(self, node, buf, ids, E, tile):
-        if not tile:
-            return False                       # matrix-vector: no grouping, the table stays
-        whole = tuple(ids.shape) == tuple(buf[node.srcs[1]].shape)
-        key = (id(buf), node.srcs[1], E, tile) if whole else None
-        same = key is not None and key == self._grouping
-        self._grouping = key
-        return same
-
-    # -- fused groups (fusion.py): a list of steps, one per member (None: nothing to run) ------
-    def _x8(self, node, buf, qtype, x):
-        """A closure giving the 8-bit (xq, xds) of x (rows of K) for this product, quantizing
-        it unless the node bound before already provides it (see _x_ready)."""
-        rows, K = int(np.prod(x.shape[:-1])), x.shape[len(x.shape) - 1]
-        ready, mm = self._x_ready(node, buf, qtype, rows, K), self.mm
-        return lambda: mm._quantize_x(x, rows, K, ready=ready)
-
-    def _bind_products(self, members, buf, state):
-        ops = [self.mul_mat_operands(n, buf) for n in members]
-        outs, ws = [o[0] for o in ops], [o[1] for o in ops]
-        x, qtype = ops[0][2], ops[0][3]
-        x8, fused, K = self._x8(members[0], buf, qtype, x), self.fused, x.shape[1]
-
-        def run():
-            xq, xds = x8()
-            fused.products_q8(outs, ws, xq, xds, qtype, K)
-        return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT")]
-
-    def _bind_glu(self, members, buf, state):
-        gate, up, glu = members
-        _, wg, x, qtype = self.mul_mat_operands(gate, buf)
-        wu = self.mul_mat_operands(up, buf)[1]
-        out, act, K = _rows2d(buf[glu.out]), _act(self.fused, glu), x.shape[1]
-        x8, fused = self._x8(gate, buf, qtype, x), self.fused
-
-        def run():
-            xq, xds = x8()
-            fused.glu_q8(out, wg, wu, xq, xds, qtype, K, act)
-        return [None, None, _labelled(run, "MUL_MAT+GLU")]
-
-    def _bind_glu_id(self, members, buf, state):
-        gate, up, glu = members
-        _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
-        wu = self.mul_mat_id_operands(up, buf)[1]
-        out, act, X, K = buf[glu.out], _act(self.fused, glu), x.shape[1], x.shape[2]
-        x8, fused = self._x8(gate, buf, qtype, x), self.fused
-
-        def run():
-            xq, xds = x8()
-            fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act)
-        return [None, None, _labelled(run, "MUL_MAT_ID+GLU")]
-
-    def _bind_down_combine(self, members, buf, state):
-        down, combine = members[:2]
-        _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
-        out, wts, K = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), x.shape[2]
-        add = len(members) == 3                  # down_combine_add: x += the weighted sum
-        if add:
-            out = buf[members[2].out]
-        x8, fused = self._x8(down, buf, qtype, x), self.fused
-
-        def run():
-            xq, xds = x8()
-            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, accumulate=add)
-        if add:
-            return [None, None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE+ADD")]
-        return [None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE")]
-
-    _bind_down_combine_add = _bind_down_combine
-
-    def _bind_product_add(self, members, buf, state):
-        """x += x_in @ W^T: the product accumulates into the residual stream (no ADD launch)."""
-        product, add = members
-        _, w, x, qtype = self.mul_mat_operands(product, buf)
-        out, mm = _rows2d(buf[add.out]), self.mm
-        ready = self._x_ready(product, buf, qtype, x.shape[0], x.shape[1])
-        self._last = None
-        return [None, _labelled(lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready, accumulate=True),
-                                "MUL_MAT+ADD")]
-
-    def route_ok(self, norm, router, topk):
-        if router.weight not in self.resident:
-            return False
-        t = self.tensors[router.weight]
-        return self.fused.route_supported(int(t.ggml_type), int(t.ne[0]), int(t.ne[1]),
-                                          int(topk.params["k"]))
-
-    def _bind_norm_route(self, members, buf, state):
-        norm, router, topk = members
-        wn, eps = self.vector(norm.weight), norm.params["eps"]
-        x, h = _rows2d(buf[norm.srcs[0]]), _rows2d(buf[norm.out])
-        wr, wtype = self.weight(router.weight)
-        logits = _rows2d(buf[router.out])
-        wts, ids = buf[topk.out], buf[topk.params["also_writes"][0]]
-        D, mm = x.shape[1], self.mm
-        flag, fused = topk.params["norm"], self.fused
-        self._last = ("x8", (id(buf), norm.out), 1, D)   # the experts' products: h in 8 bits
-        # what the CPU reads next (hybrid): also written to its mapped host buffers (a buffer
-        # that is not mirrored gets its device copy written twice over: the same bits)
-        mirrors = getattr(buf, "mirrors", {})
-        writes = ((norm.out, h), (topk.params["also_writes"][0], ids), (topk.out, wts))
-        names = [n for n, _ in writes if n in mirrors]
-        mirror = tuple(_rows2d(mirrors.get(n, a)) for n, a in writes) if names else None
-
-        signal = {"flag": None}               # graph_run sets it if this step ends a graph
-
-        def run():
-            xq, xds = mm.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
-            fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror,
-                             signal=signal["flag"])
-        run.mirrors = names
-        if mirror is not None:                # the CPU reads these next: it may wait for a flag
-            run.signal = signal
-        return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
-
-    def _bind_rope_attn(self, members, buf, state):
-        attn_node, rope = members[-1], members[-2]
-        out, q, k, v, pos = (buf[n] for n in (attn_node.out,) + attn_node.srcs)
-        norms = members[:-3]
-        wq, wk = (self.vector(n.weight) for n in norms) if norms else (None, None)
-        eps = norms[0].params["eps"] if norms else 0.0
-        layer = attn_node.params["layer"]
-        kc, vc = state.kv.k[layer], state.kv.v[layer]
-        p, a = rope.params, attn_node.params
-        fused, attn, mm, cell = self.fused, self.attn, self.mm, {}
-        T, H, Dh = q.shape
-        if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
-            self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
-
-        if attn.ROPE_IN_ATTENTION and attn.rope_supported(T, Dh):    # one launch (decoding)
-            def rope_attention():
-                xq, xds = mm.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
-                attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"],
-                                    p["base"], p["neox"], p["scale"], a["scale"], a["window"],
-                                    xq=xq, xds=xds)
-            return [None] * (len(members) - 1) + [_labelled(rope_attention, "QK_NORM+ROPE+ATTN")]
-
-        def norm_rope_store():
-            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"], p["base"],
-                                  p["neox"], p["scale"])
-
-        def attention():
-            xq, xds = mm.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
-            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds)
-        return ([None] * (len(members) - 2) + [_labelled(norm_rope_store, "QK_NORM+ROPE+KV_STORE")]
-                + [_labelled(attention, "ATTN")])
 
     # -- offloaded matrix ops (weight in RAM) ------------------------------------------------
     def bind_mul_mat(self, node, buf, state):

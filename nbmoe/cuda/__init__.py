@@ -1,8 +1,11 @@
 """CUDA kernels (numba.cuda), twins of nbmoe/cpu: same launchers, same signatures, device arrays.
 
-Modules: quants (GGUF block decoders), matmul (mul_mat, mul_mat_id, get_rows, dequantize),
-ops (norms, rope, activations, adds), attention (f16 KV cache; flash: its prompt kernel on f16
-tensor cores), moe (routing, combine).
+Modules: quants (GGUF block decoders), matmul (mul_mat, mul_mat_id, get_rows, dequantize;
+x8: x in 8 bits, mmv_q8: the int8 row dot, matmul_tiled / matmul_mma: prompt products, scratch:
+kernels and buffers kept between calls), ops (norms, rope, activations, adds), attention (f16
+KV cache; flash: its prompt kernel on f16 tensor cores), moe (routing, combine), fused (decode
+kernels that do several nodes' work), graphs (CUDA graph replay), host_memory (zero copy).
+Reading order: docs/kernels.md.
 Every launcher takes numba device arrays and python scalars, plus an optional `stream`; it
 never synchronises or copies to the host. Kernels are `<op>_kernel` (or built per type / per
 size by a small factory and cached), launchers `<op>()`.

@@ -9,13 +9,11 @@ writes through a float16 view. Token t of the batch sits at position pos[t] = po
 pos is the graph's int32 positions buffer on the device: the kernels read the position there,
 not from a launch argument, so a captured CUDA graph replays unchanged for every token.
 """
-import os
-
 import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, shfl_xor, warp_max, warp_sum
-from .matmul import quantize_lane, unused_x8
+from .x8 import quantize_lane, unused_x8
 
 f32 = np.float32
 NEG_INF = f32(-np.inf)
@@ -24,9 +22,8 @@ NEG_INF = f32(-np.inf)
 # K / V rows are read from L1 once.
 HEADS_PER_BLOCK = 4
 # Key splits (flash-decoding) when T <= SPLIT_MAX_T: one per SPLIT_KEYS slots of the cache's
-# (16: at a 128-token context, 64 keys a split left 8 blocks busy for ~12 us on the H200)
-# capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one after the other
-# (latency-bound), so many short spans keep more warps busy.
+# capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one
+# after the other (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
 # Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported);
 # off, or for other Dh, the warp-per-query kernel below.
@@ -34,8 +31,8 @@ FLASH = True
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
 # Keys a split takes at least while the cache holds few (see active_splits); 0: every split
-# of the grid works (NBMOE_SPLIT_MIN_KEYS, for A/B timings).
-MIN_SPLIT_KEYS = int(os.environ.get("NBMOE_SPLIT_MIN_KEYS", "4"))
+# of the grid works.
+MIN_SPLIT_KEYS = 4
 
 _kernels = {}
 _scratch = {}
@@ -83,10 +80,7 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 # Splits in use for a query that sees n keys: one per min_keys keys, at most the P the grid
 # has (P follows the cache's capacity, fixed for a CUDA graph, while the keys grow token by
 # token): at a 4096-slot cache (P = 128) and 20 keys, 5 splits work and the merge reads 5
-# partial results, not 128. min_keys = 0: all P splits share the keys (as before). Measured on
-# the H200 (Qwen3-30B-A3B shape, all on the GPU, decoding at 16-80 keys): a token 5.0 ms with
-# all splits at a 4096-slot cache, 3.58 ms with min_keys 2, 3.45-3.49 ms with 4; at a 512-slot
-# cache 3.63 / 3.55 / 3.46 ms.
+# partial results, not 128. min_keys = 0: all P splits share the keys.
 
 @device_fn
 def key_range(pos0, t, window):
@@ -112,15 +106,13 @@ def active_splits(n, P, min_keys):
 # (broadcast by a shuffle). Keys go
 # KU at a time: their rows' loads first, then the sums (or products), so a warp waits for
 # memory once per KU keys, not once per key (decoding has one warp per head in the grid).
-# Measured on the H200 (T=512 at 4k context, 32 heads, Dh 128): 9.8 ms; lanes scoring a key
-# each over all Dh (rows read lane by lane) took 34 ms, 4 keys per iteration 14 ms.
 # A warp walks its keys one after the other: latency-bound; prompts go to flash.py (query tiles
 # sharing K / V tiles in shared memory, tensor cores) where it can. Split p of the Pa in use takes
 # an equal share of the token's keys and writes (acc, max, sum) for the merge kernel; with
 # Pa == 1 it writes out.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
-# quant (Dh a multiple of 32): out is also written in 8 bits (xq, xds as matmul.quantize_x,
+# quant (Dh a multiple of 32): out is also written in 8 bits (xq, xds as x8.quantize_x,
 # rows of H * Dh) for the output projection: lane l's value of dims 32c .. 32c + 31 is dim
 # 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge kernel likewise).
 
@@ -131,8 +123,6 @@ def active_splits(n, P, min_keys):
 # the f16 cache (the block's first warp of each kv head), and syncs before reading the span.
 # Blocks with the same new key in their span write the same bits; no block reads a new
 # position that another block writes. One launch less a layer.
-# NBMOE_NO_ROPE_ATTN=1: decoding keeps the separate norm_rope_store launch (A/B timings).
-ROPE_IN_ATTENTION = os.environ.get("NBMOE_NO_ROPE_ATTN", "") != "1"
 KU = 8                              # (key_sums8 sums exactly 8)
 ROPE_HEADS = 8                      # rows of the shared scratch: warps a block (HEADS_PER_BLOCK)
 
@@ -373,7 +363,7 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     query to its `window` most recent positions (itself included). The number of key splits
     follows the cache's capacity, not the current length, so the launch is the same for every
     token (a CUDA graph can replay it); splits past the current keys find none and weigh 0.
-    xq, xds (matmul.x8_buffers of T rows of H * Dh; Dh % 32 == 0, T <= SPLIT_MAX_T): out is
+    xq, xds (x8.x8_buffers of T rows of H * Dh; Dh % 32 == 0, T <= SPLIT_MAX_T): out is
     also written there in 8 bits.
     """
     T, H, Dh = q.shape

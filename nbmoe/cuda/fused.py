@@ -30,12 +30,13 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, warp_sum
-from .matmul import (MMV_WARPS, _cached, _split_k, dot8, pair_row, quantize_word, quantizes_x,
-                     unit_cols)
+from .matmul import MMV_WARPS, _split_k, dot8, pair_row, quantizes_x
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .moe import GATING_SOFTMAX, experts_per_lane, topk_warp_fn
 from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu
-from .quants import qtype_info
+from .quants import qtype_info, unit_cols
+from .scratch import cached
+from .x8 import quantize_word
 
 f32 = np.float32
 i32 = np.int32
@@ -76,7 +77,7 @@ def _products_kernel(qtype, V):
             if lane == 0 and r < M0 + M1 + M2:
                 out[t, rw] = tot
         return products_q8_kernel
-    return _cached(("products_q8", int(qtype), V, chunk_units(qtype)), build)
+    return cached(("products_q8", int(qtype), V, chunk_units(qtype)), build)
 
 
 def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
@@ -137,7 +138,7 @@ def _glu_kernel(qtype, experts, V):
             if lane == 0 and r < M:
                 out[t, r] = _act(g, act) * u
         return glu_q8_kernel
-    return _cached(("glu_q8", int(qtype), experts, V, chunk_units(qtype)), build)
+    return cached(("glu_q8", int(qtype), experts, V, chunk_units(qtype)), build)
 
 
 def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
@@ -188,7 +189,7 @@ def _down_combine_kernel(qtype, V, ACC):
                     acc += wts[t, q] * ys[q]
                 out[t, r] = acc + res if ACC else acc
         return down_combine_q8_kernel
-    return _cached(("down_combine_q8", int(qtype), V, ACC, chunk_units(qtype)), build)
+    return cached(("down_combine_q8", int(qtype), V, ACC, chunk_units(qtype)), build)
 
 
 def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=False):
@@ -210,8 +211,7 @@ def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=Fa
 # norm itself into shared memory (x is a few KB, re-read from L2 by every block), then its
 # warps dot their router rows with h there; block 0 also writes h and its 8-bit form. A lane
 # loads its first PF units of the router row, x and the norm's weights before the norm (they
-# do not depend on it: one memory round trip instead of three; H200, all on the GPU, tg64
-# 322.5 -> 328.9 t/s alternated in one process, faster in 10 of 10 rounds). Each
+# do not depend on it: one memory round trip instead of three). Each
 # block then counts itself done on an atomic counter, after a memory fence that makes its
 # logits visible to the other blocks; the block that counts last routes on one warp
 # (moe.topk_warp), writes what the CPU reads next to its mapped host buffers (mirror; h from
@@ -358,7 +358,7 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
                 if tid == 0:
                     counter[0] = 0
         return norm_route_kernel
-    return _cached(("norm_route", int(wtype), WORDS, WPT, S, EPL), build)
+    return cached(("norm_route", int(wtype), WORDS, WPT, S, EPL), build)
 
 
 _counters = {}
@@ -367,7 +367,7 @@ _counters = {}
 def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
                mirror=None, signal=None):
     """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
-    (matmul.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
+    (x8.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
     type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
     mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
     scheduler.mirror_candidates) that get the same values too. signal: an int32 [1] array in
@@ -406,8 +406,8 @@ def route_supported(wtype, D, E, A):
 #   k, v heads: also written to row pos[t] of the f16 cache.
 # As ops.rms_norm (one warp for a row of Dh <= 256: same sum order). The rotation's cos and
 # sin come from a table [C, n_rot/2, 2] per (cache size, rope parameters), made once on the
-# host by the CPU's rope_tables (angles in float64): float64 pow/cos/sin on the GPU cost
-# ~12 us a layer at T = 1, and the table gives exactly the CPU's values.
+# host by the CPU's rope_tables (angles in float64): float64 pow/cos/sin are slow on the GPU,
+# and the table gives exactly the CPU's values.
 
 def head_rope_fns(Dh):
     """(norm_weights, norm_to_shared, rope_coeffs, rope_from_shared): one head's row held by
@@ -527,7 +527,7 @@ def _norm_rope_store_kernel(Dh):
                         else:
                             v_cache[p, h, d] = np.float16(vals[c])
         return norm_rope_store_kernel
-    return _cached(("norm_rope_store", Dh), build)
+    return cached(("norm_rope_store", Dh), build)
 
 
 ROPE_WARPS = 4

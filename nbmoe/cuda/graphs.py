@@ -1,34 +1,34 @@
 """CUDA graphs: record a run of kernel launches once, replay it with one driver call.
 
-A numba launch costs ~15-40 us of host time (argument typing and packing in Python), and a
-token of a 48-layer MoE makes ~1300 of them: the GPU would wait on Python. A token's launches
-are the same every time (same buffers, same grids; positions are read from the device pos
-buffer, see attention.py), so the scheduler hands each run of consecutive GPU steps of a
-decode plan to a `GraphRun`: the first call runs the steps as they are (kernels compile,
-scratch buffers are allocated), the second records them into a CUDA graph by stream capture,
-and from then on one cuGraphLaunch replays the whole run. Copies between the GPU and pinned
-host buffers are recorded too; a run ends by waiting for its stream, since the host reads
-what it copied out, or writes the next inputs into the buffers it copied in.
+A numba launch costs tens of microseconds of host time (argument typing and packing in
+Python), and a token of a 48-layer MoE makes ~1300 of them: the GPU would wait on Python. A
+token's launches are the same every time (same buffers, same grids; positions are read from
+the device pos buffer, see attention.py), so the scheduler hands each run of consecutive GPU
+steps of a decode plan to a `GraphRun`: the first call runs the steps as they are (kernels
+compile, scratch buffers are allocated), the second records them into a CUDA graph by stream
+capture, and from then on one cuGraphLaunch replays the whole run. Copies between the GPU and
+pinned host buffers are recorded too; a run ends by waiting for its stream, since the host
+reads what it copied out, or writes the next inputs into the buffers it copied in.
 
 A run whose last step sets a flag in mapped host memory once all that the host reads next is
 there (`flag`: fused.norm_route's signal, a hybrid decode layer's routing) is waited for by
-spinning on that flag instead of synchronising the stream: the host goes on ~4 us sooner a
-layer (H200, the layer graph of an 8-layer Qwen3-30B-A3B-shaped model, 20 or 200 us of
-host work between runs: 45-46.5 us a layer beyond the host work, against 48-49.5 with a
-stream and 50-51 with an event synchronisation). Nothing runs after the flag's kernel.
+spinning on that flag instead of synchronising the stream: the host goes on a few
+microseconds sooner a layer. Nothing runs after the flag's kernel.
 
 What a recorded run must not do: launch on another stream, copy to or from the host, or
 allocate (relaxed capture mode lets an allocation through, but the replay would reuse the
 address of a buffer that may since have been freed: the scratch buffers therefore are never
-freed, see matmul._buffer). Offloaded products (host uploads) are never recorded.
-NBMOE_NO_GRAPHS=1 turns recording off. The simulator has no graphs: runs stay plain.
+freed, see scratch.buffer). Offloaded products (host uploads) are never recorded.
+config.GRAPHS off (NBMOE_NO_GRAPHS=1) turns recording off. The simulator has no graphs: runs
+stay plain.
 """
-import os
 import time
+
+from nbmoe import config
 
 from . import SIM
 
-ENABLED = os.environ.get("NBMOE_NO_GRAPHS", "") != "1" and not SIM
+ENABLED = config.GRAPHS and not SIM
 
 
 def _check(result):

@@ -3,9 +3,8 @@
 The file is mapped read-only (gguf_file.py); its pages are page-locked and mapped into every
 GPU's address space with one cuMemHostRegister(READ_ONLY | DEVICEMAP | PORTABLE) over the span
 of the tensors asked for, without copying a byte. A kernel's loads from such an array go over
-PCIe (measured on an H100 box: the expert kernels read ~41-47 GB/s that way, bit-identical to
-the same kernels on device copies, and a 16-thread CPU read beside them kept its speed). The
-pages stay locked until the mapping is closed.
+PCIe, with the same results as from device copies. The pages stay locked until the mapping
+is closed.
 """
 import mmap
 import weakref

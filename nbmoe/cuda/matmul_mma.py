@@ -6,7 +6,7 @@ matmul.MMA is on (and INT8_DOT: both are the int8 path), the type has an idec an
 Letters as in matmul.py: T tokens, M rows, K values per row, B = K / 32 blocks, E experts, A
 chosen per token, X x rows per token, N = T * A pairs. The unit: 8 values of a block.
 
-x is quantized once to 8 bits per 32-block (matmul._quantize_x: xq int32 words of 4 codes,
+x is quantized once to 8 bits per 32-block (x8.quantize_x: xq int32 words of 4 codes,
 xds (xd, xs = xd * sum of codes) per block), the weights' units decoded by idec to int8 codes
 with value = d * code + m (Q4_0, Q5_0: codes q - 8, q - 16 and m = 0). Per 32-block b (or 16-value half h where the scale changes every
 16 values: Q3_K, Q6_K, which have m = 0):
@@ -21,11 +21,14 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
-from .matmul import _buffer, _cached, _group_by_expert, _quantize_x, tile_slots, unit_words
+from .matmul_tiled import group_by_expert, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
+from .mmv_q8 import unit_words
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
 from .quants_iq4 import IQ4_NL, IQ4_XS, MXFP4
 from .quants_k import Q3_K, Q4_K, Q5_K, Q6_K
+from .scratch import buffer, cached
+from .x8 import quantize_x
 
 f32 = np.float32
 i32 = np.int32
@@ -63,7 +66,7 @@ def i2f(c):
 
 # ---------------------------------------------------------------- the kernel
 # out[orow[j], r0 + i] = sum_k w[rbase + r0 + i, k] * x[xrow[j], k] over the tile's i < TM rows
-# and j < TT token slots, with slots as in matmul._tiled_kernel (plain: token by * TT + j;
+# and j < TT token slots, with slots as in matmul_tiled.tiled_kernel (plain: token by * TT + j;
 # gathered: pair order[first + j] = t * A + a of tile by of the expert table, x row
 # t * X + (a or 0), out row p of out [T, A, M] seen as [T * A, M]).
 #
@@ -266,7 +269,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                                 if o >= 0:
                                     st_f32(out, o * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
         return mul_mat_mma_kernel, NTH
-    return _cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
@@ -274,19 +277,19 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
 def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
     """out [T, M] = x [T, K] @ dequant(w [M, RB])^T, x quantized to 8 bits (or x_ready)."""
     T, M = out.shape
-    xq, xds = _quantize_x(x, T, K, stream, x_ready)
+    xq, xds = quantize_x(x, T, K, stream, x_ready)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
-    d = _buffer("dummy", 4, np.int32)
+    d = buffer("dummy", 4, np.int32)
     kern[((M + TM - 1) // TM, (T + TT - 1) // TT), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1)
 
 
 def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False):
     """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0], the pairs
-    grouped by expert in tiles of TT_ID slots (matmul._group_by_expert)."""
+    grouped by expert in tiles of TT_ID slots (matmul_tiled.group_by_expert)."""
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
-    xq, xds = _quantize_x(x, T * X, K, stream, x_ready)
-    order, tiles, n_tiles = _group_by_expert(ids, E, TT_ID, stream, grouped)
+    xq, xds = quantize_x(x, T * X, K, stream, x_ready)
+    order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
     kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
     kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X)

@@ -3,7 +3,7 @@ shared by matmul's int8 matrix-vector kernels and the fused decode kernels (fuse
 
 Letters as in matmul.py: T tokens, M rows, K values a row, RB bytes a row, B = K / 32 blocks,
 NT tokens sharing a weight load, S warps a row (split-K). x is in 8 bits per 32-block
-(matmul.quantize_x): xq int32 words of 4 codes, xds (d, s) float32 per block, so that
+(x8.quantize_x): xq int32 words of 4 codes, xds (d, s) float32 per block, so that
     w[r] . x[t] = sum over blocks b of  xd_b * d_b * (codes_b . xcodes_b) + m_b * xs_b
 with each block's integer dot product exact (dp4a) and one scale multiply per chunk.
 

@@ -10,7 +10,7 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, device_fn, expf, warp_sum
-from .matmul import quantize_word, unused_x8
+from .x8 import quantize_word, unused_x8
 
 f32 = np.float32
 
@@ -31,7 +31,7 @@ def _blocks(n, threads):
 # out may be x: each thread rereads and rewrites only its own elements.
 # Fused forms, which save launches in decoding (backend_cuda decides when):
 #   add:   x <- x + add first (the residual sum, written back to x), then the norm of it;
-#   xq, xds: out also in 8 bits for the next product (matmul.quantize_word's format): after a
+#   xq, xds: out also in 8 bits for the next product (x8.quantize_word's format): after a
 #          barrier, thread j of the block quantizes words j, j + blockDim, ... of the row.
 
 def _block_sum(v, sh):
@@ -80,10 +80,10 @@ def rms_norm_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
 # Rows of more than WORDS_MIN_N values (the model-width norms of decoding, latency-bound: one
 # block a row): each thread keeps its words of 4 consecutive values in registers from the
 # load to the 8-bit output, so the row is read once and there is no second barrier
-# (rms_norm_kernel rereads x and out from memory: ~11 us a 2048-value row on the H200, where
-# this one is a few). Word j of the row belongs to thread j % blockDim, so the 8 words of a
-# 32-block sit on 8 consecutive lanes, as quantize_word wants. Per-head rows (QK-norm, Dh
-# values) keep rms_norm_kernel, whose sum order fused.norm_rope_store repeats.
+# (rms_norm_kernel rereads x and out from memory). Word j of the row belongs to thread
+# j % blockDim, so the 8 words of a 32-block sit on 8 consecutive lanes, as quantize_word
+# wants. Per-head rows (QK-norm, Dh values) keep rms_norm_kernel, whose sum order
+# fused.norm_rope_store repeats.
 WORDS_MIN_N = 256
 
 
@@ -148,7 +148,7 @@ _kernels = {}
 
 def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
     """out = x / sqrt(mean(x^2) + eps) * w over the last w.shape[0] values; out may be x.
-    add: first x += add (x then holds the sum). xq, xds (matmul.x8_buffers; rows of a
+    add: first x += add (x then holds the sum). xq, xds (x8.x8_buffers; rows of a
     multiple of 32): out is also written in 8 bits there."""
     n = w.shape[0]
     x2 = x.reshape(x.size // n, n)

@@ -173,7 +173,7 @@ def dec_q8_0(w, base, b, u, K):
 
 
 # ---------------------------------------------------------------- block types, integer codes
-# For the int8 path (x quantized to 8 bits per 32-block, matmul.quantize_x): a unit's codes
+# For the int8 path (x quantized to 8 bits per 32-block, x8.quantize_x): a unit's codes
 # as two int32 words of 4 bytes each, laid out like x's int8 words (c0 for columns i0..,
 # c1 for i1..), and the block's d and m / 4, with value = d * code + m. The kernel adds
 #   d * xd * dp4a(codes, xq) + (m / 4) * xs      (xs = xd * sum of the block's x codes)

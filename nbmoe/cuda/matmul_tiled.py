@@ -1,0 +1,193 @@
+"""The tiled prompt product in float32, and the grouping of mul_mat_id's pairs by expert.
+
+tiled_kernel: out[orow[j], r0 + i] = sum_k dequant(w)[rbase + r0 + i, k] * x[xrow[j], k] over
+the tile's i < TM rows and j < TT token slots. Plain: tile (bx, by), slot j = token by * TT + j.
+Gathered (mul_mat_id): tile by = (expert, first pair, pairs) of `tiles` (flat: tiles[0] the
+count, then 3 ints a tile), slot j = pair order[first + j] = t * A + a,
+xrow = t * X + (a if X == A else 0), output out[t, a].
+Per 32-value step a block decodes TM rows' block into shared memory (one unit a thread) next
+to TT slots' x. Block: (TM / RM) * (TT / RT) threads; thread (tr, tc) owns rows
+tr + i * TM / RM (i < RM), so a warp reads 32 different shared-memory rows of stride 33 (no
+bank conflicts), and slots tc * RT + j (one value a warp: a broadcast). K % 32 == 0.
+
+group_by_expert_kernel: ids [T, A] -> order [N] (pair indices t * A + a grouped by expert;
+the order within an expert is whatever the atomics gave, no result depends on it) and tiles
+int32: tiles[0] the number n of tiles, then n triples (expert, first index into order,
+pairs <= TT). One block: a shared-memory histogram by atomics, offsets and the tile table by
+thread 0 (E + N / TT steps), then the scatter.
+"""
+import numpy as np
+from numba import cuda
+
+from . import device_fn, ld_f32
+from .quants import qtype_info, unit_cols
+from .scratch import buffer, cached
+
+f32 = np.float32
+i32 = np.int32
+
+# Experts the grouping kernel handles (shared-memory counters).
+MAX_E = 1024
+
+
+@device_fn
+def tile_slots(xrow, orow, order, tiles, by, tid, nth, TT, T, M, A, X, gather):
+    """The token slots of tile row `by` (the block's threads tid of nth fill them): xrow[j] the
+    x row of slot j, orow[j] its output row (t, or the pair p = t * A + a), -1 past the tile's
+    slots. Returns (rbase, slots): the first weight row of the tile's expert (0 when plain)
+    and its slots. Gathered: the tile (expert, first pair, pairs) of `tiles`, the caller
+    having checked by < tiles[0]."""
+    if gather:
+        k3 = 3 * by + 1
+        first = tiles[k3 + 1]
+        cnt = tiles[k3 + 2]
+        for j in range(tid, TT, nth):
+            if j < cnt:
+                p = order[first + j]
+                t = p // A
+                xrow[j] = t * X + (p - t * A if X == A else 0)
+                orow[j] = p
+            else:
+                xrow[j] = -1
+                orow[j] = -1
+        return tiles[k3] * M, cnt
+    for j in range(tid, TT, nth):
+        t = by * TT + j
+        xrow[j] = t if t < T else -1
+        orow[j] = xrow[j]
+    return 0, min(TT, T - by * TT)
+
+
+@device_fn
+def _store_token(out, o, A, r, v):
+    out[o, r] = v
+
+
+@device_fn
+def _store_pair(out, p, A, r, v):
+    t = p // A
+    out[t, p - t * A, r] = v
+
+
+def tiled_kernel(qtype, TM, TT, RM, RT, gather):
+    t_ = qtype_info(qtype)
+    dec, split = t_.dec, t_.split
+    SR = TM // RM              # threads along rows
+    NTH = SR * (TT // RT)      # threads in the block
+    ACC = RM * RT              # (local and shared array shapes must be plain constants)
+    WS, XS = (TM, 33), (TT, 33)
+    store = _store_pair if gather else _store_token
+
+    def build():
+        @cuda.jit
+        def mul_mat_tiled_kernel(out, w, x, RB, K, T, M, order, tiles, A, X):
+            ws = cuda.shared.array(WS, f32)          # decoded weights, padded against bank conflicts
+            xs = cuda.shared.array(XS, f32)
+            xrow = cuda.shared.array(TT, i32)
+            orow = cuda.shared.array(TT, i32)
+            tid = cuda.threadIdx.x
+            r0 = cuda.blockIdx.x * TM
+            if gather and cuda.blockIdx.y >= tiles[0]:
+                return                               # the whole block: beyond the tile table
+            rbase, _ = tile_slots(xrow, orow, order, tiles, cuda.blockIdx.y, tid, NTH, TT, T, M,
+                                  A, X, gather)
+            tr = tid % SR
+            tc = tid // SR
+            acc = cuda.local.array(ACC, f32)
+            a = cuda.local.array(RM, f32)
+            for i in range(ACC):
+                acc[i] = f32(0.0)
+            cuda.syncthreads()
+            for kb in range(K // 32):
+                for n in range(tid, TM * 4, NTH):     # decode: one unit a thread
+                    rr = n // 4
+                    u = n - 4 * rr
+                    base = (rbase + min(r0 + rr, M - 1)) * RB
+                    v0, v1, v2, v3, v4, v5, v6, v7 = dec(w, base, kb, u, K)
+                    i0, i1 = unit_cols(0, u, split)
+                    ws[rr, i0] = v0
+                    ws[rr, i0 + 1] = v1
+                    ws[rr, i0 + 2] = v2
+                    ws[rr, i0 + 3] = v3
+                    ws[rr, i1] = v4
+                    ws[rr, i1 + 1] = v5
+                    ws[rr, i1 + 2] = v6
+                    ws[rr, i1 + 3] = v7
+                for n in range(tid, TT * 32, NTH):    # x: coalesced 32-float rows
+                    j = n // 32
+                    kk = n - 32 * j
+                    xr = xrow[j]
+                    xs[j, kk] = ld_f32(x, xr * K * 4, 4 * (kb * 32 + kk)) if xr >= 0 else f32(0.0)
+                cuda.syncthreads()
+                for kk in range(32):
+                    for i in range(RM):
+                        a[i] = ws[tr + i * SR, kk]
+                    for j in range(RT):
+                        bj = xs[tc * RT + j, kk]
+                        for i in range(RM):
+                            acc[i * RT + j] += a[i] * bj
+                cuda.syncthreads()
+            for j in range(RT):
+                o = orow[tc * RT + j]
+                if o >= 0:
+                    for i in range(RM):
+                        r = r0 + tr + i * SR
+                        if r < M:
+                            store(out, o, A, r, acc[i * RT + j])
+        return mul_mat_tiled_kernel, NTH
+    return cached(("tiled", int(qtype), TM, TT, RM, RT, gather), build)
+
+
+def _group_kernel():
+    def build():
+        @cuda.jit
+        def group_by_expert_kernel(ids, E, TT, order, tiles):
+            cnt = cuda.shared.array(MAX_E, i32)
+            fill = cuda.shared.array(MAX_E, i32)
+            tid = cuda.threadIdx.x
+            nth = cuda.blockDim.x
+            A = ids.shape[1]
+            N = ids.shape[0] * A
+            for e in range(tid, E, nth):
+                cnt[e] = 0
+            cuda.syncthreads()
+            for p in range(tid, N, nth):
+                t = p // A
+                cuda.atomic.add(cnt, ids[t, p - t * A], 1)
+            cuda.syncthreads()
+            if tid == 0:
+                start = 0
+                k = 0
+                for e in range(E):
+                    fill[e] = start
+                    c = cnt[e]
+                    for f in range(0, c, TT):
+                        tiles[3 * k + 1] = e
+                        tiles[3 * k + 2] = start + f
+                        tiles[3 * k + 3] = min(TT, c - f)
+                        k += 1
+                    start += c
+                tiles[0] = k
+            cuda.syncthreads()
+            for p in range(tid, N, nth):
+                t = p // A
+                slot = cuda.atomic.add(fill, ids[t, p - t * A], 1)
+                order[slot] = p
+        return group_by_expert_kernel
+    return cached(("group",), build)
+
+
+def group_by_expert(ids, E, TT, stream, grouped=False):
+    """(order, tiles, max_tiles): the pairs of ids [T, A] grouped by expert in tiles of <= TT
+    (group_by_expert_kernel); max_tiles bounds the table's length (the grid's y size).
+    grouped: the last grouping on this GPU was of these ids, E and TT (the gate, up and down
+    products of a MoE layer share their ids): its table is reused, no launch."""
+    if E > MAX_E:
+        raise ValueError(f"mul_mat_id: {E} experts, the CUDA grouping handles at most {MAX_E}")
+    N = ids.shape[0] * ids.shape[1]
+    max_tiles = N // TT + min(E, N)       # every used expert adds at most one partial tile
+    order = buffer("order", N, np.int32)
+    tiles = buffer("tiles", 1 + 3 * max_tiles, np.int32)
+    if not grouped:
+        _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+    return order, tiles, max_tiles
