@@ -30,9 +30,8 @@ from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers
 
 
 # -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
-# start with (zero_copy.ShareBalancer moves it while generating). The GPU reads them over
-# PCIe at ~41-47 GB/s while 16 CPU threads compute the rest at ~60-75 GB/s: 3 of 8 were best
-# on an H100 box, 2 or 3 on H200 boxes (tools/zce_sweep.py, README).
+# start with (zero_copy.ShareBalancer moves it while generating; tools/zce_sweep.py measures
+# the best fixed share).
 ZERO_COPY_SHARE = 3 / 8
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random GGUF models built once per session, and the SmolLM2 files.
+"""Shared fixtures: tiny random GGUF models built once per test run, and the SmolLM2 files.
 
     def test_x(tiny_model):
         path = tiny_model("qwen3moe")                             # defaults below
@@ -57,7 +57,7 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2_moe(smollm2_path, tmp_path_factory):
-    """SmolLM2 upcycled to 8 experts, 2 active (as the default model), in a session tmp dir."""
+    """SmolLM2 upcycled to 8 experts, 2 active (as the default model), in a tmp dir of the run."""
     from nbmoe.loader.default_model import N_EXPERT, N_EXPERT_USED
     from nbmoe.loader.upcycle import upcycle
     path = str(tmp_path_factory.mktemp("smollm2") / "smollm2-moe.gguf")
@@ -66,8 +66,8 @@ def smollm2_moe(smollm2_path, tmp_path_factory):
 
 # ---------------------------------------------------------------- subprocess tests started early
 # A test whose work is one long subprocess (a cold compile in a fresh interpreter) can have it
-# started as soon as the session has collected it: it then runs on the other core while the
-# session's other tests run (CI has two; the main process mostly keeps one busy). The test
+# started as soon as pytest has collected (and selected) it: it then runs on the other core
+# while the other tests run (CI has two; the main process mostly keeps one busy). The test
 # gets the process from the `early_process` fixture and waits for it.
 
 _EARLY = {}
@@ -82,8 +82,9 @@ def early(*argv, **env):
     return mark
 
 
-def pytest_collection_finish(session):
-    for item in session.items:
+@pytest.hookimpl(trylast=True)           # after -k / -m / --deselect have removed theirs
+def pytest_collection_modifyitems(items):
+    for item in items:
         spec = getattr(getattr(item, "function", None), "_early", None)
         if spec is not None and item.nodeid not in _EARLY:
             argv, env = spec
@@ -92,7 +93,7 @@ def pytest_collection_finish(session):
                                                    stderr=subprocess.PIPE, text=True)
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish():
     for proc in _EARLY.values():           # a run stopped early (-x, Ctrl-C): no orphans
         if proc.poll() is None:
             proc.kill()

@@ -48,7 +48,7 @@ def gemma3_gguf():
 
 @functools.lru_cache(maxsize=None)
 def load_tokenizer(name):
-    """Tokenizer of "smollm2" or "gemma3" (built once per test session)."""
+    """Tokenizer of "smollm2" or "gemma3" (built once per test run)."""
     path = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[name]()
     return Tokenizer.from_meta(read_tokenizer_meta(path))
 

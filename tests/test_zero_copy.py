@@ -21,16 +21,16 @@ def test_moves_the_share_towards_balance():
     assert twice(b, 150e-6, 250e-6) == 3     # the CPU slowed down: 3 (200 there) fits again
     assert twice(b, 150e-6, 160e-6) == 3     # near balance: stay
     assert twice(b, 150e-6, 148e-6) == 3     # within the 2% slack: stay
-    assert b.update(205e-6, 195e-6) == 3     # an outlier among 230 us CPU shares (H200): stay
+    assert b.update(205e-6, 195e-6) == 3     # an outlier among 230 us CPU shares: stay
     assert b.update(205e-6, 230e-6) == 3
     assert twice(b, 204e-6, 191e-6) == 3     # the CPU took 1.27x as long at 2 (190 / 150): stay
-    assert twice(ShareBalancer(3, 8), 204e-6, 191e-6) == 2   # another H200 lend, no memory: 2
+    assert twice(ShareBalancer(3, 8), 204e-6, 191e-6) == 2   # the same times, no memory: 2
 
 
 def test_remembers_what_a_move_cost():
     """A move's CPU time ratio (first token after it / last before it) keeps the balancer
-    from a move that would slow the layer, for RATIO_TTL measured tokens (an H200 lend's
-    measurements: the CPU share took 1.14x as long with one expert more)."""
+    from a move that would slow the layer, for RATIO_TTL measured tokens (times recorded on
+    an H200 machine: the CPU share took 1.14x as long with one expert more)."""
     b = ShareBalancer(3, 8)
     assert twice(b, 209e-6, 204e-6) == 2     # the GPU share is the slower: explore 2
     assert twice(b, 143e-6, 233e-6) == 3     # the CPU there: 233 vs 204, slower; back to 3
@@ -49,9 +49,9 @@ def test_bounds():
 
 
 # Per measured token (GPU share us, CPU share us a layer) at each share, as tools/zce_sweep.py
-# printed them on three H200 lends (Qwen3-30B-A3B shape, 8 of 128 experts, 16 threads), and
-# the share whose fixed runs were the fastest there (same sweep, alternated rounds), and the
-# least share of the replayed tokens the balancer must spend there.
+# printed them in four runs on H200 machines (Qwen3-30B-A3B shape, 8 of 128 experts, 16
+# threads), the share whose fixed runs were the fastest there (same sweep, alternated rounds),
+# and the least share of the replayed tokens the balancer must spend there.
 TRACES = {
     "C": (2, 0.9, {3: [(204, 191), (204, 195), (204, 198), (202, 190), (211, 190)],
               2: [(147, 184), (145, 197), (144, 182), (145, 184), (146, 191), (143, 179)]}),
@@ -68,11 +68,11 @@ TRACES = {
 }
 
 
-def test_replayed_lends_settle_on_their_best_share():
-    """Replaying each lend's measurements (cycled), the balancer spends most tokens at the
-    lend's best share; on E the CPU share sped up late in the trace (185, 169 us at 3), and
+def test_replayed_traces_settle_on_their_best_share():
+    """Replaying each run's measurements (cycled), the balancer spends most tokens at the
+    run's best share; on E the CPU share sped up late in the trace (185, 169 us at 3), and
     the share follows it down and back up."""
-    for lend, (best, most, trace) in TRACES.items():
+    for run, (best, most, trace) in TRACES.items():
         b, seen, at = ShareBalancer(3, 8), {s: 0 for s in trace}, []
         for _ in range(60):
             S = b.share
@@ -83,4 +83,4 @@ def test_replayed_lends_settle_on_their_best_share():
                 seen[S] += 1
             at.append(S)
             b.update(g * 1e-6, c * 1e-6)
-        assert at.count(best) >= most * len(at), (lend, at)
+        assert at.count(best) >= most * len(at), (run, at)

@@ -6,8 +6,8 @@ the same type's kernel called directly, 4096x4096, the two alternated in one pro
     NBMOE_CACHE=/tmp/empty python tools/cache_ab.py --types Q4_K --preload   # equal again
 
 From the cache, dot_rows_i8 runs its own copy of dot_rows_q4_k_i8, compiled into it (the
-same IR optimised twice), and `direct` (compiled in each run) calls the kernel's own code:
-session 16 measured 27.7-28.7 vs 30.4-30.6 GB/s, three runs of 10 rounds. --preload loads
+same IR optimised twice), and `direct` (compiled in each run) calls the kernel's own code
+(docs/kernels.md has the figures). --preload loads
 the kernel's own code first (load_order.py), and dot_rows_i8 calls it, as in the run that
 compiled them.
 """

@@ -8,8 +8,7 @@ split into: the host's launch call, the device time between two events around it
 rest of the wait (the stream synchronisation's latency after the device finished). Prints one
 row per step kind: calls a token, host microseconds a token and a call. --busy-us N swaps the
 CPU steps (with -ot exps=CPU: the expert products) for N-microsecond spins, to price the GPU
-side and the turn-taking free of the RAM bandwidth's swings (session 9 measured its
-alternatives that way).
+side and the turn-taking free of the RAM bandwidth's swings.
 """
 import argparse
 import sys

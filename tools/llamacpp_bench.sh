@@ -28,8 +28,8 @@ if [ ! -x "$BENCH" ]; then
     tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
     build
 fi
-# Some VMs list AMX among the CPU's features but fault on its tile instructions (the 2-core VM
-# of session 11: SIGILL in ggml's AMX kernels): then build again without AMX.
+# Some VMs list AMX among the CPU's features but fault on its tile instructions (SIGILL in
+# ggml's AMX kernels): then build again without AMX.
 if ! "$BENCH" -m "$1" -p 16 -n 2 -r 1 -t "$T" > /dev/null 2>&1; then
     echo "llama-bench failed a probe run: building it again without AMX" >&2
     NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -2,26 +2,23 @@
 
 A MoE layer's GPU share (S experts whose weights the GPU reads from RAM over PCIe) and its
 CPU share (the other A - S) run at the same time, and the next layer waits for the slower.
-Which S balances them depends on the machine and moves with the RAM bandwidth the CPU gets
-(measured: 3 of 8 best on one H200 lend, 2 on another). So every EVERY-th generated token
-is measured: per layer, the GPU share's device time (CUDA events around its graph) and the
-CPU share's host time (scheduler._LaunchAhead), and ShareBalancer moves S by one when two
-measured tokens in a row ask for the same move:
+Which S balances them depends on the machine and moves with the RAM bandwidth the CPU gets.
+So every EVERY-th generated token is measured: per layer, the GPU share's device time (CUDA
+events around its graph) and the CPU share's host time (scheduler._LaunchAhead), and
+ShareBalancer moves S by one when two measured tokens in a row ask for the same move:
   down  when the GPU share is the slower (by more than SLACK: noise), as the layer waits for
-        it (measured on an H200: the CPU share's time hardly moved between 5 and 6 experts,
-        ~190 us, while the GPU's grew ~68 us an expert);
+        it (the GPU's time grows with each expert, the CPU's hardly moves);
   up    when the GPU would still finish first with one expert more (its time there as
         last measured, or scaled by experts; the CPU's taken as it is now, see update).
 The CPU share's speed swings with the RAM bandwidth the machine gets, so the share follows
-it (replayed on the measurements of three H200 lends in tests/test_zero_copy.py).
+it (tests/test_zero_copy.py replays recorded traces).
 S = 0 (the CPU computes all) has no GPU share to measure: it is final.
 A move also measures what it cost the CPU: the CPU share's time on the first measured token
-after it over its time on the last one before it (by 1.14-1.17 for one expert more on one
-H200 lend, 0.96 on another). For RATIO_TTL measured tokens the balancer then makes that move
-again only if it expects the layer to get faster, GPU and CPU share times both predicted:
-without that memory, that lend went 3 -> 2 -> 3 and would again each time its GPU share ran
-2% behind (12.5% of the tokens at 2, where fixed runs were 10% slower). Past RATIO_TTL the
-ratio is forgotten (the RAM's speed drifts), and the move is explored again.
+after it over its time on the last one before it. For RATIO_TTL measured tokens the balancer
+then makes that move again only if it expects the layer to get faster, GPU and CPU share
+times both predicted: without that memory the share can oscillate (3 -> 2 -> 3) each time
+its GPU share runs a little behind. Past RATIO_TTL the ratio is forgotten (the RAM's speed
+drifts), and the move is explored again.
 """
 import numpy as np
 
@@ -46,8 +43,7 @@ class ShareBalancer:
 
     def update(self, gpu_s, cpu_s):
         """A measured token's per-layer GPU and CPU share times (medians) -> the share to use.
-        A move needs two measured tokens in a row that ask for it (one can be an outlier:
-        seen on an H200, a CPU share of 195 us among 215-251)."""
+        A move needs two measured tokens in a row that ask for it (one can be an outlier)."""
         S, A = self.share, self.n_used
         self.history.append((S, gpu_s, cpu_s))
         self.gpu_at[S] = gpu_s
@@ -65,8 +61,8 @@ class ShareBalancer:
                 return True
             return SLACK * max(gpu2, cpu_s * r[0]) < max(gpu_s, cpu_s)
         # the GPU share with one expert more or less: as last measured there, else scaled by
-        # experts; the CPU share's time, short of a ratio, as it is now (on H200s it hardly
-        # moved between 5 and 6 experts: its fixed costs and the RAM's swings dominate)
+        # experts; the CPU share's time, short of a ratio, as it is now (its fixed costs and
+        # the RAM's swings dominate)
         gpu_up = self.gpu_at.get(S + 1, gpu_s * (S + 1) / S)
         gpu_down = self.gpu_at.get(S - 1, gpu_s * (S - 1) / S)
         want = 0

@@ -97,7 +97,7 @@ def split_words(text, patterns):
 class BytePairEncoder:
     """Encodes text (no special tokens in it) to ids of a byte-level BPE vocabulary."""
 
-    CACHE_LIMIT = 200_000   # words; cleared when full so a long session cannot grow it forever
+    CACHE_LIMIT = 200_000   # words; cleared when full so a long chat cannot grow it forever
 
     def __init__(self, text_to_id, merges, pre=""):
         self.text_to_id = text_to_id
