@@ -65,15 +65,35 @@ class Terminal:
             if left <= 0 or (not self._read(min(left, 1.0)) and self.proc.poll() is not None):
                 raise AssertionError(f"no {pattern!r} in:\n{self.text()[self.pos:][-3000:]}")
 
-    def wait_more(self, n_chars, timeout=120):
-        """Wait until `n_chars` more characters have arrived after the last match."""
+    def in_raw_mode(self):
+        return not termios.tcgetattr(self.fd)[3] & termios.ISIG     # the pty's shared modes
+
+    def wait_prompt(self, timeout=300):
+        """Wait until the line editor reads keys (raw mode: Ctrl-C is a key)."""
         end = time.monotonic() + timeout
+        while not self.in_raw_mode():
+            assert time.monotonic() < end and self.proc.poll() is None, self.text()[-2000:]
+            self._read(0.05)
+
+    def wait_reply(self, n_chars=20, timeout=300):
+        """Wait until the line editor has handed the terminal back (signals on: Ctrl-C is
+        SIGINT again) and `n_chars` more characters of the reply have arrived."""
+        end = time.monotonic() + timeout
+        while self.in_raw_mode():
+            assert time.monotonic() < end, "the terminal stayed in raw mode"
+            self._read(0.05)
+        self.pos = len(self.text())
         while len(self.text()) < self.pos + n_chars:
             assert time.monotonic() < end, f"only {self.text()[self.pos:]!r}"
             self._read(1.0)
 
     def send(self, keys):
         os.write(self.fd, keys.encode())
+
+    def type(self, keys):
+        """Send keys once the prompt reads them."""
+        self.wait_prompt()
+        self.send(keys)
 
     def close(self):
         if self.proc.poll() is None:
@@ -98,39 +118,33 @@ def terminal():
 def test_terminal_keys(terminal, moe_model):
     """/help, line editing and history, Ctrl-C at the prompt and during a reply, Ctrl-D."""
     t = terminal("-m", moe_model, "-n", "-1", "-c", "32768", "--temp", "0", "-t", "1")
-    t.expect(r"/help lists the commands; Ctrl-C stops a reply, Ctrl-D quits")
-    t.expect(r"> ")
-    t.send("/help\r")
+    t.expect(r"/help lists the commands; Ctrl-C stops a reply, Ctrl-D quits", timeout=1200)  # cold compile
+    t.type("/help\r")
     t.expect(r"/reset +forget the conversation")
     t.expect(r"Up/Down recall earlier lines")
-    t.send("some text")             # Ctrl-C clears the line: "/stats" then runs alone
+    t.type("some text")             # Ctrl-C clears the line: "/stats" then runs alone
     t.expect(r"some text")
     t.send("\x03")
-    t.expect(r"> ")
-    t.send("/stats\r")
+    t.type("/stats\r")
     t.expect(r"no reply yet")
-    t.send("/tats\x1b[D\x1b[D\x1b[D\x1b[Ds\r")   # typed "/tats", 4 x Left, "s": /stats
+    t.type("/tats\x1b[D\x1b[D\x1b[D\x1b[Ds\r")   # typed "/tats", 4 x Left, "s": /stats
     t.expect(r"no reply yet")
-    t.send("\x1b[A\r")              # Up: the last line again
+    t.type("\x1b[A\r")              # Up: the last line again
     t.expect(r"no reply yet")
     assert "unknown command" not in t.text()
 
-    t.send("hello\r")               # -n -1: the reply would run to the context's end
-    t.expect(r"hello")
-    t.wait_more(20)
+    t.type("hello\r")               # -n -1: the reply would run to the context's end
+    t.wait_reply()
     t.send("\x03")                  # a keystroke: the terminal sends SIGINT
     t.expect(r"reply stopped")
-    t.expect(r"> ")
-    t.send("/stats\r")
+    t.type("/stats\r")
     m = t.expect(r"generated (\d+) tokens .* context (\d+)/32768")
     assert 0 < int(m.group(1)) and int(m.group(2)) < 32768
-    t.send("say more\r")            # the conversation goes on after the stop
-    t.expect(r"say more")
-    t.wait_more(20)
+    t.type("say more\r")            # the conversation goes on after the stop
+    t.wait_reply()
     t.proc.send_signal(signal.SIGINT)
     t.expect(r"reply stopped")
-    t.expect(r"> ")
-    t.send("\x04")                  # Ctrl-D on an empty line
+    t.type("\x04")                  # Ctrl-D on an empty line
     assert t.proc.wait(timeout=60) == 0
     assert "Traceback" not in t.text()
 
