@@ -6,7 +6,7 @@ import os
 import numba
 
 # Numba keeps LLVM's SLP vectorizer off by default; the block dot products need it to use
-# SIMD (see KERNEL_NOTES.md). It must be set before the first kernel compiles.
+# SIMD (docs/kernels.md). It must be set before the first kernel compiles.
 if "NUMBA_SLP_VECTORIZE" not in os.environ:
     numba.config.SLP_VECTORIZE = 1
 
@@ -16,15 +16,13 @@ def _kernel_cache_dir():
     decoder called by matmul) would leave stale machine code in use; nor does its key see
     compile flags. So the on-disk cache lives in a folder named by a hash of every kernel
     source and those flags: any change starts a fresh one."""
+    from nbmoe.config import KERNEL_KEY, cache_dir
     here = os.path.dirname(__file__)
-    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} "
-                     f"novnni={os.environ.get('NBMOE_NO_VNNI', '')} "
-                     f"prefetch={os.environ.get('NBMOE_PREFETCH', '')}".encode())
+    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} {KERNEL_KEY}".encode())
     # load_order.py too: its record of which kernels compiled must describe this cache
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
             h.update(f.read())
-    from nbmoe.config import cache_dir
     return os.path.join(cache_dir(), "kernels", h.hexdigest()[:16])
 
 

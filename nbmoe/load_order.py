@@ -6,15 +6,12 @@ there, so the caller's machine code holds its own copy of the callee. Numba load
 first, and in the process that compiles, the caller's calls go to that earlier definition,
 the callee's own machine code. A later process that loads the caller from the disk cache has
 no such definition and runs the caller's copy: the same IR, optimised twice, and placed
-differently. For Q4_K that copy is the slower one: `tools/bench_kernels.py -t 2 --types Q4_K`,
-two runs each from one cache, 4096x4096 / experts at 84% / 77% and 81% / 79% of the streaming
-read as the cache left them, 89% / 86% and 87% / 84% with the callees loaded first, as in the
-run that compiled them (92% / 91%). README, Measured, session 16.
+differently. For Q4_K that copy is the slower one (docs/kernels.md).
 
 So every process that compiles records the callees it compiles (module, name, signature; in
 the order the compiles end, callees before their callers) in a file beside Numba's cache, and
-preload() loads them from the cache, in that order, before anything runs. Loading takes ~8 ms
-a kernel (the engine's ~136: 1.1 s); one whose cache entry went missing is compiled again.
+preload() loads them from the cache, in that order, before anything runs (milliseconds a
+kernel); one whose cache entry went missing is compiled again.
 """
 import importlib
 import os

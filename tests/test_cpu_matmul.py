@@ -228,15 +228,15 @@ def test_mul_mat_id_repeated_expert_in_token():
 
 # ---------------------------------------------------------------- Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 int8 kernels
 # Two rows per step and 4 blocks per call, then a pair and a single block (quants_int8.dot_rows_b32):
-# K = 224 is 4 + 2 + 1 blocks, 576 (SmolLM2) 16 + 2; odd M leaves a row alone; T = 1 takes items
-# of ~ITEM_BYTES rows (matmul.item_rows), shrunk here so several items run.
+# K = 224 is 4 + 2 + 1 blocks, 576 (SmolLM2) 16 + 2; odd M leaves a row alone; T = 1 takes one
+# item a thread (matmul.item_rows), made finer here so several items run.
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("K", [224, 576])
 @pytest.mark.parametrize("T", [1, 2])
 def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     M = 41
     w = quantize(rnd(M, K, seed=12), name)
@@ -252,7 +252,7 @@ def test_mul_mat_int8_blocks(name, K, T, monkeypatch):
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_mul_mat_id_int8_blocks(name, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     E, A, M, K = 5, 2, 23, 224
     w = quantize(rnd(E, M, K, seed=14), name)
@@ -297,11 +297,12 @@ def test_prepare_q4_k_order():
 
 
 def test_item_rows(monkeypatch):
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     assert matmul.item_rows(100, 360, 3) == matmul.ITEM_ROWS        # several tokens: L1-sized runs
-    rows = matmul.item_rows(101, 360, 1)                              # one token: ~ITEM_BYTES, even
-    assert rows % 2 == 0 and 2 <= rows and rows * 360 <= 2 * 1000
+    rows = matmul.item_rows(101, 360, 1)                # one token: 4 items a thread, rows even
+    n = 4 * matmul.numba.get_num_threads()
+    assert rows % 2 == 0 and rows - 2 < -(-101 // n) <= rows
     assert matmul.item_rows(3, 360, 1) == 2
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 4000)
     assert matmul.item_rows(11, 360, 1) == 11                         # small: one item, no region
@@ -312,7 +313,7 @@ def test_item_rows(monkeypatch):
 def test_mat_vec_on_one_thread(name, monkeypatch):
     """A weight below SERIAL_MAX_BYTES: one item on the calling thread, the very sums of the
     parallel items (each row's dot is the same code)."""
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     M, K = 21, 96
     w, x = quantize(rnd(M, K, seed=31), name), rnd(1, K, seed=32)
     qt, int8 = int(Q[name]), matmul._int8(int(Q[name]))
@@ -391,8 +392,8 @@ def test_quads_without_vbmi(name):
 # models, 768, 2048, 4096. The repacked
 # kernels are compared with the plain int8 kernels (same x rounding: only the float summation
 # order differs), with float64 over the rounded x, and with the exact product; T = 17 takes
-# the batched path (gemm_i8, or decode + BLAS). ITEM_BYTES shrunk: T = 1 runs several items
-# of whole groups.
+# the batched path (gemm_i8, or decode + BLAS). VEC_ITEMS_PER_THREAD raised: T = 1 runs
+# several items of whole groups.
 
 RTR_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "IQ4_NL", "MXFP4", "IQ4_XS"]
 RTOL_RTR = 2e-6
@@ -437,7 +438,7 @@ def test_repack_decodes_exactly(name):
                          + [("Q4_K", 1, 2048), ("Q4_K", 3, 4096), ("IQ4_XS", 1, 2048), ("IQ4_XS", 3, 4096)])
 def test_mul_mat_rtr(name, T, K, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     M = 37
     w = rtr_weights((M,), name, K, seed=21)
@@ -480,7 +481,7 @@ def test_mul_mat_rtr_streams(name, monkeypatch):
 @pytest.mark.parametrize("T", [1, 5, 17])
 def test_mul_mat_id_rtr(name, T, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", True)
-    monkeypatch.setattr(matmul, "ITEM_BYTES", 1000)
+    monkeypatch.setattr(matmul, "VEC_ITEMS_PER_THREAD", 4)
     monkeypatch.setattr(matmul, "SERIAL_MAX_BYTES", 0)   # items in a parallel region
     E, A, M, K = 6, 3, 37, rtr_k(name)
     w = rtr_weights((E, M), name, K, seed=23)

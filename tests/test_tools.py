@@ -363,23 +363,6 @@ def test_read_buffer_outsizes_the_cache():
     assert n >= min(max(1 << 30, 4 * llc), ram // 8)
 
 
-def test_prefetch_distance_is_in_the_kernel_cache_key(monkeypatch):
-    """NBMOE_PREFETCH changes compiled code, so it must name another kernel cache; a value
-    that is not a byte count is a one-line error."""
-    import subprocess
-    import sys
-
-    import nbmoe
-    monkeypatch.delenv("NBMOE_PREFETCH", raising=False)
-    default = nbmoe._kernel_cache_dir()
-    monkeypatch.setenv("NBMOE_PREFETCH", "2048")
-    assert nbmoe._kernel_cache_dir() != default
-    bad = subprocess.run([sys.executable, "-c", "import nbmoe.cpu.simd"], capture_output=True, text=True,
-                         env={**os.environ, "NBMOE_PREFETCH": "4k"})
-    assert bad.returncode != 0
-    assert bad.stderr.strip() == "error: NBMOE_PREFETCH='4k': want a byte count (0: no prefetches)"
-
-
 def test_bench_kernels_keeps_each_cases_best_over_rounds(capsys):
     """tools/bench_kernels.py on tiny shapes, two rounds: one checked row per case, the
     fastest of its rounds, its ratio against the best streaming read of the run."""

@@ -21,9 +21,8 @@ from .ops import FM, exp_f32, row_max
 from .quants import FM as FM_DOT
 from .quants import stack_f32
 
-# T=1: split the keys over threads (flash-decoding) once n * H * Dh reaches this (~25 us of
-# work on one thread); below it the single-threaded loop beats a parallel region's start and
-# end barriers, which on a busy 2-core machine cost more than the split saves.
+# T=1: split the keys over threads (flash-decoding) once n * H * Dh reaches this; below it the
+# single-threaded loop beats a parallel region's start and end barriers (a busy machine's).
 SPLIT_MIN_WORK = 1 << 18
 # Split path: spans of at least SPLIT_MIN_KEYS keys, at most SPLIT_MAX_SPANS of them (the
 # thread count cannot be read in cached code, so prange deals the spans out to the threads).

@@ -2,11 +2,9 @@
 
 The float products of prompts (F32 / F16 / BF16 weights such as every MoE router, and all
 types on CPUs without VNNI) go through numpy's matmul, whose OpenBLAS starts a pool of its
-own threads. After each product those threads spin for a while waiting for more work, and
-on the cores Numba's threads need: measured on the 2-core VM, the default model's pp512 went
-from 280 to 896 t/s with OpenBLAS at one thread (its F32 routers' BLAS calls slowed every
-kernel after them, norms and top-k 15-45x), and SmolLM2 pp512 on the BLAS path
-(NBMOE_GEMM_I8=0) from 229 to 627. So the engine sets BLAS to one thread when it loads.
+own threads. After each product those threads spin for a while waiting for more work, on
+the cores Numba's threads need, and slow every kernel after them (docs/kernels.md). So the
+engine sets BLAS to one thread when it loads.
 
 There is no numpy API for it: this finds the BLAS library numpy loaded (Linux: the shared
 objects in /proc/self/maps) and calls its set-threads function through ctypes, under the

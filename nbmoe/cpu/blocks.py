@@ -3,7 +3,7 @@
 Letters: D model dim, H heads, Hkv kv heads, Dh head dim, F FFN width, C cache slots.
 
 Bound node by node, a SmolLM2-135M token is 333 Python steps (393 for the upcycled MoE),
-each a lambda and a Numba dispatch of ~0.5-2 us. These functions run the nodes of one block
+each a lambda and a Numba dispatch. These functions run the nodes of one block
 (fusion.find_groups: kind attn_block, ffn_block or moe_block) in sequence inside one @njit
 function, calling the kernels those nodes bind to (rms_norm, the fused products, rope,
 store_kv + attention, topk_route, add), so the results are bit-identical to the unfused

@@ -19,9 +19,8 @@ as 8-bit codes c + 128 (c the signed integer code, value = s * c + o), B records
         row   0  0  0  0 | 1  1  1  1 | ... | 15 15 15 15
         value 32j+4k .. +3 (the same 4 values of every row)
 Records keep every load of the inner loop at a constant offset from two pointers (x record,
-panel record): base + displacement addresses are one fused uop each, indexed ones two (with
-separate arrays for xq, xd, ... the loop was 12% slower). What bounds it now: the two 512-bit
-ports, 64 vpdpbusd + 24-32 float ops an x-block (~56 cycles measured, 48 the bound).
+panel record): base + displacement addresses are one fused uop each, indexed ones two. What
+bounds it: the two 512-bit ports, 64 vpdpbusd + 24-32 float ops an x-block.
 Equation, for slot t, row r, weight group g (G values) in x-block j:
     out[t, r] = sum_j xd[t, j] * sum_(g in j) s[g, r] * dot_g  +  sum_g o[g, r] * xs[t, g]
     dot_g = xb[t, g] + sum_(k in g) (c[k, r] + 128) * xq[t, k]      (exact in int32)
@@ -32,9 +31,7 @@ Per call of acc_block: one x-block j for the NT slots of a group: 8 vpdpbusd a s
 once, L1/L2), slot groups, x-blocks. Parallel over (job, panel) work items; a job = one
 matrix and a run of slot groups. The items are shared out by work_queue: an expert's cost is
 its token count, and prange's static split left threads idle behind the busiest share
-(numba.parallel_chunksize, used here before, does not change how the omp and workqueue
-layers assign iterations: measured, a loop whose costly items sit in one thread's half ran
-no faster with chunksize 1).
+(numba.parallel_chunksize does not change how the omp and workqueue layers assign iterations).
 """
 import numba
 import numpy as np

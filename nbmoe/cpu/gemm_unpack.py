@@ -19,7 +19,7 @@ word of a block holds 4 codes of one row; Rows.words loads 1-4 words of each of 
 and transposes them (16 x 4 -> 4 x 16: a vpermd per 4 rows, then 128-bit lane shuffles) so
 that lane r of a <16 x i32> is row r: the bit fiddling of a type is then the scalar word
 code of ggml / the CUDA integer decoders (cuda/quants*.py idec), 16 rows at a time, and every
-result is one panel vector. (Gathers: ~40 cycles each on the Cascade Lake VM, 4x slower.)
+result is one panel vector (vector gathers are microcoded, several times slower).
 Repacked -rtr groups already hold a panel's words side by side: plain vector loads. The grid
 IQ types go a row at a time through quants_iq's sub-block decoders (floats to bytes), slower.
 """

@@ -29,14 +29,14 @@ integer dots), gemm_i8 (a group is a panel) or decode for BLAS, get_rows and mul
 their decoders. Work items then hold whole groups
 (multiples of 16 rows).
 
-Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool (whose threads spin
-after each product and slowed the Numba kernels after it ~2x: one reason for gemm_i8).
+Threads: numba.set_num_threads for the kernels; OpenBLAS has its own pool, whose threads spin
+after each product on the cores Numba's need (blas.py; one reason for gemm_i8).
 """
-import os
-
 import numba
 import numpy as np
 from numba import njit, prange
+
+from nbmoe import config
 
 from . import gemm_i8
 from .quants import TYPES, dequant_rows, dot_rows
@@ -51,40 +51,33 @@ from .ops import _geglu_row, _swiglu_row
 from .work_queue import new_queue, next_item
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
-# (measured crossover 8-16 on 1536x576 and 4096x4096, Q4_1 and Q8_0).
+# (crossovers: docs/kernels.md).
 BLAS_MIN_T = 10
 # Float32 bytes of weights decoded per BLAS tile (decode output stays in L2/L3 for the GEMM).
 TILE_BYTES = 4 << 20
 # Weight rows per parallel work item: a few KB, so the rows stay in L1 while each token's x
-# passes over them, and the per-item dispatch (an atomic refcount pair) is paid per ~5 us.
+# passes over them, and the per-item cost (an atomic refcount pair) stays small beside it.
 ITEM_ROWS = 32
-# With one token per weight (generation) nothing is reused from L1, so an item is made ~this
-# many bytes instead, in whole rounds of the threads: Q4_0 2048 x 768 experts went from ~0.6
-# to ~0.85 of streaming read at 32 rows -> 64 KB. prange hands each thread one equal run of
-# items anyway, so the default is one item per thread: each item costs slicing refcounts on
-# memory both threads share (~0.12 us per item, 2 threads), 2% of 576 x 576 at 64 KB items,
-# 2% of the 30 MB output of SmolLM2 (456 items of 64 KB).
-ITEM_BYTES = 1 << 40
+# With one token per weight (generation) nothing is reused from L1, so the rows are cut into
+# whole rounds of the threads instead: prange hands each thread one equal run of items anyway,
+# and each item costs refcounts on memory the threads share (tests raise it to run several).
+VEC_ITEMS_PER_THREAD = 1
 # One token times a weight smaller than this runs on the calling thread (one work item, no
-# parallel region): a region's fork and join (~1.5 us on 2 idle threads, a scheduler tick on
-# a busy machine) costs what splitting ~32 KB of row dots saves. A MoE router is this small.
+# parallel region): a region's fork and join (a scheduler tick on a busy machine) costs what
+# splitting ~32 KB of row dots saves. A MoE router is this small.
 SERIAL_MAX_BYTES = 32 << 10
-# Items per thread of a token's expert products, which share them out through work_queue
-# (a thread that finishes early takes items from the slow ones' shares). With many threads,
-# finer items shared out balance them: hybrid tg128 on the H200 box (16 threads, Qwen3-30B-A3B
-# shape, Q4_0 experts; one process, alternated rounds) 78.1 t/s (median of 10) against 73.5
-# with prange's static split at one item a thread, faster in all 10 rounds; another run
-# 71.6 vs 68.5. Either change alone gave nothing (shared out at 1 item a thread 73.5,
-# static at 4: 73.1); 2 and 8 items a thread 70.7 and 70.0 against 4's 71.6. With 2 threads,
-# whose reads each run at ~15 GB/s, an item's four streams need the length: experts
-# 128x2048x768 A=8 at 4 items a thread read 3-10% slower for the 4-bit types (2-core VM).
+# Items per thread of a token's expert products, which share them out through work_queue (a
+# thread that finishes early takes items from the slow ones' shares): finer items balance many
+# threads; with few, an item's four streams need the length (docs/kernels.md).
 EXPERT_ITEMS_PER_THREAD = 4
 EXPERT_SPLIT_MIN_THREADS = 8
 
 
 def expert_items_per_thread():
     """item_rows' per_thread for one token's expert products at the current thread count."""
-    return EXPERT_ITEMS_PER_THREAD if numba.get_num_threads() >= EXPERT_SPLIT_MIN_THREADS else 1
+    if numba.get_num_threads() >= EXPERT_SPLIT_MIN_THREADS:
+        return EXPERT_ITEMS_PER_THREAD
+    return VEC_ITEMS_PER_THREAD
 
 
 def expert_item_rows(M, row_bytes, n_tokens, qtype=None):
@@ -93,23 +86,17 @@ def expert_item_rows(M, row_bytes, n_tokens, qtype=None):
     return item_rows(M, row_bytes, n_tokens, qtype, expert_items_per_thread())
 
 
-# Integer dots against 8-bit x for the block types: 1.3-3x faster with AVX-512 VNNI, ~0.5%
-# error from x's rounding (llama.cpp rounds x the same way). On by default where VNNI
-# exists (NBMOE_INT8_DOT=0 turns it off: exact float dots). Without VNNI the integer dots
-# are no faster, so they stay off there. Checked once per call in Python, so tests can flip it.
-INT8_DOT = HAS_VNNI and os.environ.get("NBMOE_INT8_DOT", "1") == "1"
-# Batched products of the types on the integer path by gemm_i8 (AVX-512 VNNI, Numba's threads)
-# instead of dequantize + BLAS: ~2-4x faster, and no OpenBLAS thread pool left spinning
-# against Numba's. NBMOE_GEMM_I8=0 turns it off (dequantize + BLAS, as without VNNI).
-GEMM_I8 = HAS_VNNI and os.environ.get("NBMOE_GEMM_I8", "1") == "1"
-# Tokens sharing a weight matrix from which gemm_i8 beats T integer matrix-vector passes
-# (measured on 1 thread: even at 4, 1.2-2x faster at 6, 1.5-2.5x at 8; Q4_1, Q4_K, Q6_K, Q8_0).
+# Integer dots against 8-bit x for the block types where the CPU has AVX-512 VNNI (without it
+# they are no faster): ~0.5% error from x's rounding, as llama.cpp's. config.INT8_DOT off
+# (NBMOE_INT8_DOT=0): exact float dots. Checked per call in Python, so tests can flip it.
+INT8_DOT = HAS_VNNI and config.INT8_DOT
+# Batched products of the integer-path types by gemm_i8 (Numba's threads) instead of
+# dequantize + BLAS, whose pool spins against Numba's. config.GEMM_I8 off: BLAS, as without VNNI.
+GEMM_I8 = HAS_VNNI and config.GEMM_I8
+# Tokens sharing a weight matrix from which gemm_i8 beats T integer matrix-vector passes.
 GEMM_MIN_T = 6
-# ... but the matrix-vector pass prepares every row of x, serially (~3 us a 2048-value row):
-# past this many rows gemm_i8 also takes the experts of fewer pairs, padded to its 8-slot
-# groups (2 threads, Q4_0 768 x 2048, 128 experts, a skewed router: 64 rows with 90 such
-# experts 11.1 ms by matrix-vector against 11.8; 512 rows with one 36.4 against 34.6; 2048
-# rows of 2048 values take ~6 ms to prepare, whatever the thread count).
+# ... but the matrix-vector pass prepares every row of x, serially: past this many rows
+# gemm_i8 also takes the experts of fewer pairs, padded to its 8-slot groups.
 VEC_FEW_MAX_ROWS = 128
 
 
@@ -241,12 +228,12 @@ def mul_mat_plain(out, w, x, qtype):
 
 # ---------------------------------------------------------------- mul_mat, matrix-vector
 # out[T, M] = x[T, K] @ dequant(w[M, row_bytes])^T for T < BLAS_MIN_T. Work item = a run of
-# ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: a run of about
-# ITEM_BYTES). Parallel over runs.
+# ITEM_ROWS rows, dotted with x[0], x[1], ... in turn while in L1 (T = 1: whole rounds of
+# the threads). Parallel over runs.
 
-def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=1):
-    """Rows per work item: ITEM_ROWS, or for one token an even count of about ITEM_BYTES
-    such that the items come in whole rounds of the threads (`per_thread` items each;
+def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=None):
+    """Rows per work item: ITEM_ROWS, or for one token an even count that makes the items
+    whole rounds of the threads (`per_thread` items each, VEC_ITEMS_PER_THREAD if None;
     repacked: whole groups), or all M rows below SERIAL_MAX_BYTES (one item: mat_vec runs it
     on the calling thread)."""
     unit = GROUP if qtype in BASE else 2
@@ -254,15 +241,14 @@ def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=1):
         return ITEM_ROWS            # a multiple of GROUP
     if M * row_bytes < SERIAL_MAX_BYTES:
         return M                    # one item: mat_vec runs it without a parallel region
-    nt = numba.get_num_threads() * per_thread
-    n = (max(1, M * row_bytes // ITEM_BYTES) + nt - 1) // nt * nt
+    n = numba.get_num_threads() * (per_thread or VEC_ITEMS_PER_THREAD)
     rows = (M + n - 1) // n
     return max(unit, (rows + unit - 1) // unit * unit)
 
 
 # One parallel kernel for one weight and for fused.products' two or three (outs[j] = x @ W_j^T;
 # outs, ws tuples of 3, n_rows [3] the rows of each, 0 for an unused slot): each kernel that
-# holds the type dispatch (_dot_rows) costs ~20-30 s of LLVM at a cold start, so one weight
+# holds the type dispatch (_dot_rows) costs tens of seconds of LLVM at a cold start, so one weight
 # goes through this kernel too (mat_vec) rather than a twin of its own.
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -320,8 +306,8 @@ def _dequant_rows(out, w, qtype):
 
 @njit(cache=True, error_model="numpy")
 def _get_rows(out, w, ids, qtype):
-    # serial: 512 rows of 2048 values decode in ~1 ms of a prompt's seconds, one generated
-    # token's row in less than a parallel region's fork and join; and it compiles 3x faster
+    # serial: a prompt's rows decode in a sliver of its time, a generated token's row in less
+    # than a parallel region's fork and join; and it compiles faster
     for t in range(ids.shape[0]):
         _decode_row(qtype, out[t:t + 1], w, ids[t])
 
@@ -354,7 +340,7 @@ def mul_mat(out, w, x, qtype):
 
 def mul_mat_step(out, w, x, qtype):
     """mul_mat(out, w, x, qtype) as a plan's step: for one token the path and the work items
-    are chosen once, at binding (as the fused groups' are): ~2 us less per call."""
+    are chosen once, at binding (as the fused groups' are): less Python per call."""
     if x.shape[0] == 1:
         int8, step = _int8(int(qtype)), item_rows(w.shape[0], w.shape[1], 1, qtype)
         step_fn = lambda: mat_vec(out, w, x, qtype, int8, step)  # noqa: E731

@@ -9,8 +9,8 @@ from numba import njit, prange
 
 # x [N] float32, N divisible by n_chunks; each thread sums its own contiguous chunks.
 # fastmath lets LLVM reorder the sum: it vectorizes the loop with several accumulators, so
-# the loads, not the add chain, set the pace (an in-order sum reads at ~1/4 of the memory
-# speed; the earlier 8 x uint64 version measured ~25% low on the 2-core VM).
+# the loads, not the add chain, set the pace (an in-order sum reads at a fraction of the
+# memory speed).
 @njit(parallel=True, cache=True, fastmath=True)
 def _sum_chunks(x, n_chunks):
     chunk = x.size // n_chunks
@@ -38,8 +38,7 @@ def last_level_cache_bytes():
 
 def default_read_bytes():
     """A buffer four times the last-level cache, at least 1 GiB, at most 1/8 of the RAM: best-of
-    repeats over a buffer the cache partly holds measure the cache (16 threads, 300 MB L3: 256 MB
-    read 188-268 GB/s, 512 MB 112-153, 1-4 GB 108-147)."""
+    repeats over a buffer the cache partly holds measure the cache, not the memory."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(max(1 << 30, 4 * last_level_cache_bytes()), max(ram // 8, 1 << 28)))
 

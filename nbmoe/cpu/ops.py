@@ -5,8 +5,8 @@ All activations are float32 and C-contiguous.
 
 Each op has a plain single-threaded @njit driver (`_<op>_seq`), a prange driver (`_<op>_par`)
 for prompt batches, and a public @njit entry point that picks one by size. Callers (Python or
-other @njit code) pay one Numba dispatch (~0.3 us) and no Python-side checks: T=1 decode calls
-this ~300 times a token. The thresholds are module constants, frozen into the cached machine
+other @njit code) pay one Numba dispatch and no Python-side checks: T=1 decode calls this
+~300 times a token. The thresholds are module constants, frozen into the cached machine
 code: after changing one, delete nbmoe/cpu/__pycache__. error_model="numpy" everywhere: no
 ZeroDivisionError checks, whose branches would stop loops from vectorizing.
 """
@@ -19,7 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 # Elements of work below which the single-threaded path wins: a parallel region costs
-# ~1.5 us, and on a busy 2-core machine can wait a scheduler tick at its end barrier.
+# microseconds, and on a busy machine can wait a scheduler tick at its end barrier.
 PAR_MIN_ELEMS = 1 << 15
 
 # Floating-point licences for loops with reductions: reassociation lets LLVM split a sum over
@@ -74,7 +74,7 @@ def _rms_norm_row(out, x, w, eps):
         ss += v * v
     r = np.float32(1.0 / math.sqrt(ss / n + eps))
     if out.ctypes.data == x.ctypes.data:    # in place: two arrays, or the loop stays scalar
-        for i in range(n):                  # (see swiglu below; 512 x 576: 57 -> 25 us)
+        for i in range(n):                  # (see swiglu below)
             out[i] = out[i] * r * w[i]
     else:
         for i in range(n):
@@ -166,7 +166,7 @@ def scale(out, x, s):
 # ~1e-2 rad), the rotation in float32. Parallel over tokens.
 # Tables (rope_tables): each row is either computed (sincos_f64, every ROPE_ANCHOR tokens and
 # after any jump in position) or rotated from the row before by one position's angle: a
-# complex multiply instead of two libm calls per value (11x faster at T=512); the float64
+# complex multiply instead of two libm calls per value (an order of magnitude faster); the float64
 # error of 63 rotations (~1e-14) is far below the float32 result's rounding.
 
 _2_PI = 0.63661977236758134308        # 2 / pi
@@ -298,8 +298,7 @@ _GELU_C = np.float32(0.044715)
 
 
 # out aliasing gate or up (the graph's GLU writes in place) gets a loop over two arrays: with
-# three, LLVM's run-time overlap check fails and the scalar loop runs (512 x 3072 in place:
-# 1.79 ms -> 0.34 ms on 2 threads, as fast as into a separate array).
+# three, LLVM's run-time overlap check fails and the scalar loop runs (several times slower).
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _silu_times(g, u):

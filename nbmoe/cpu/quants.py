@@ -29,11 +29,10 @@ with array arguments costs an atomic refcount pair and ~20 argument words):
                                        matrix-vector path; block types use quants_int8).
 Each dot keeps 16 float32 lane accumulators in a stack array (lane j takes values j and
 j + 16 of every block), reduced once per row by a vector reduction: LLVM keeps the lanes in
-one register and vectorizes the block body (KERNEL_NOTES: deferring the horizontal sum; a
-heap scratch array is read and written every block and stays scalar, and a reduction
-written in Python makes SLP split the lanes). Per-block offsets (m, -8 d, -16 d) multiply
-xsum[b] once per block instead of touching every value. Needs NUMBA_SLP_VECTORIZE=1
-(nbmoe/__init__.py): without it these loops are 3-10x slower.
+one register and vectorizes the block body (a heap scratch array is read and written every
+block and stays scalar, and a reduction written in Python makes SLP split the lanes).
+Per-block offsets (m, -8 d, -16 d) multiply xsum[b] once per block instead of touching every
+value. Needs NUMBA_SLP_VECTORIZE=1 (nbmoe/__init__.py): without it these loops stay scalar.
 
 Adding a type = its two functions + a branch in `dequant_rows` and `dot_rows` + a TYPES
 entry (+ an integer dot in quants_int8.py where the type has integer codes).
@@ -104,12 +103,8 @@ def lanes16():
 
 # Matrix-vector kernels walk four rows a quarter of their run apart side by side, not one
 # row after another: one core keeps more cache-line misses in flight on four sequential
-# streams than on one (Q4_0 4096 x 4096 from memory, 2 threads: 67% of the streaming read
-# row by row, 79% with two streams, 85% with four; four rows taken in turn, not side by
-# side, stay at 71%). Short streams lose: each starts cold (no prefetch ahead yet), so a
-# run of rows splits only when each stream gets STREAM_MIN_BYTES (Q4_0 768 x 2048 experts,
-# 2 threads, GB/s of four streams vs one: 14 KB streams 21-23 vs 24.5, 28 KB 26.4 vs 24.4,
-# 55 KB 27.9 vs 24.8, 110 KB ~31 vs 24.7).
+# streams than on one (docs/kernels.md). Short streams lose: each starts cold (no prefetch
+# ahead yet), so a run of rows splits only when each stream gets STREAM_MIN_BYTES.
 STREAM_MIN_BYTES = 24 << 10
 
 

@@ -14,10 +14,8 @@ symmetric types folded into m = -8 d / -16 d; Q8_0's signed codes are stored + 1
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (acc_blocks, dot_rows_b32), in LLVM IR written here (an
 intrinsic; Numba cannot express vector code). These blocks are small (18-34 bytes), so the
-per-block work decides their speed (one block per call: 0.4 / 0.35 / 0.85 of streaming read
-for Q4_0 / Q4_1 / Q8_0 at 2 threads on the Cascade Lake CI VM; this way 0.65-0.75 / 0.65-0.75
-/ 0.8-0.95). A call takes 4 blocks (a pair, a single one at a row's end) and two rows run
-side by side (their calls share the x loads and overlap):
+per-block work decides their speed. A call takes 4 blocks (a pair, a single one at a row's
+end) and two rows run side by side (their calls share the x loads and overlap):
   codes of blocks j, j + 1 -> one <64 x u8> (Q4 / Q5: [qs_j, qs_j, qs_j+1, qs_j+1] shifted by
   [0, 4, 0, 4] per 16 bytes, & 15; Q5: | 16 where bit k of [qh_j, qh_j+1] (a 64-bit mask) is
   set; Q8_0: xor 0x80) -> one 512-bit dot4, its 16 lanes started at xb, the x-side bias
@@ -31,16 +29,13 @@ that LLVM turns into pmaddwd + phaddd code (no faster than the float dots): same
 Error vs float x: about 0.5-1% of the largest output (the 8-bit x), as in llama.cpp.
 
 Q4_0 on CPUs with AVX-512 BW takes quants_q4x instead (the row read as it lies, x laid out
-under it: ~25-30% less compute); its block kernel here stays for the others. The 4-bit table
+under it: less compute); its block kernel here stays for the others. The 4-bit table
 types (quants_iq4) and Q4_K (quants_k_i8) also read x rearranged: prepare_blocks makes each
 type's x extras once per call (x_extra_words sizes them).
 
 Adding a 32-value block type = its unpack in _emit_blocks, block_bytes / lane_bias entries,
 its dot_rows_<type>, a branch in dot_rows_i8 (larger blocks: simd.acc_intrinsic).
 """
-import os
-
-import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -49,14 +44,9 @@ from numba.extending import intrinsic
 
 from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
 from .quants_k import Q4_K
-from .simd import PREFETCH, prefetch_lines
+from .simd import HAS_VNNI, PREFETCH, prefetch_lines
 from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, stream_rows,
                      sum16)
-
-_FEATURES = llb.get_host_cpu_features()
-# NBMOE_NO_VNNI=1 forces the generic dot4 (use a separate NUMBA_CACHE_DIR: Numba's cache
-# key does not see this choice).
-HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and not os.environ.get("NBMOE_NO_VNNI")
 
 # The block types with an integer dot product here.
 INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) + K_TYPES + IQ4_TYPES  # the last two: quants_k_i8, quants_iq4
@@ -203,8 +193,7 @@ def quantize_x(xq, xd, xs, x):
     """x [K] -> xq [K] int8, xd [B] scales, xs [B] = xd * block sums of xq (see the top).
     max|x| is taken on the float bits (x & 0x7fffffff as int32: same order for |x|, and NaN
     patterns sort above inf, so a NaN sticks: xd = NaN, NaN in x gives NaN out): integer
-    loops that LLVM vectorizes (the float compare-and-NaN-check loop stayed scalar, ~1.5 us
-    for K = 576, ~1/4 of a small product's time at 2 threads)."""
+    loops that LLVM vectorizes (the float compare-and-NaN-check loop stayed scalar)."""
     B = x.shape[0] // 32
     bits, top = x.view(np.int32), xd.view(np.int32)
     for b in range(B):

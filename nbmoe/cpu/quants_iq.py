@@ -35,9 +35,9 @@ kernels read as constants (IQ1's as grid + 1, i.e. 0, 1, 2). Per type, as in qua
                                    per 16 values), reduced once per row.
 Both decode a sub-block into a 32-float stack array first (_<t>_sub: values without d and s,
 returning s), so the decode is written once per type. Signs multiply by a row of SIGNS (a
-float +-1 table) rather than 8 bit tests: the bit tests became mask-building code 10x slower.
-The integer dots against 8-bit x (the default matrix-vector path on VNNI CPUs, 1.5-3x faster
-than these float dots) are in quants_iq_i8.py.
+float +-1 table) rather than 8 bit tests, which became slow mask-building code.
+The integer dots against 8-bit x (the default matrix-vector path on VNNI CPUs, faster than
+these float dots) are in quants_iq_i8.py.
 """
 import numpy as np
 from gguf import GGMLQuantizationType

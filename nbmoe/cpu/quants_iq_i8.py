@@ -49,7 +49,7 @@ def _bits(e, off, shift=0, mask=255, width=8):
 def _rows(e, table, index, first, n):
     """<64 x i8>: rows index(e, first), ..., index(e, first + n - 1) of table, side by side.
     Indices come from scalar loads and shifts (index -> i64): extracting them from a vector
-    was 1.3x slower, and vector gathers (vpgatherdq) 2x slower (microcoded on this CPU)."""
+    was slower, and vector gathers (vpgatherdq, microcoded) slower still."""
     b, ty = e.b, table.type.pointee.element
     out = ir.Constant(vec(ty, n), None)
     for i in range(n):

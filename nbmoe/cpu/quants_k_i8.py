@@ -23,9 +23,8 @@ lie, 64 at a time, and meets x rearranged once per call (prepare_q4_k):
   of dot(high nibbles, xk[128p + 64:]): 4p + 1, 4p + 3.
 
 That saves the broadcasts and variable shifts (one and, one shift, one and per 64 bytes), and
-its four products go into acc one FMA each (simd.Emit.finish chain): 10-14% faster with the
-weights in cache, equal or +1-2 GB/s from memory (2 threads, 4096 x 4096 and 128 x 2048 x
-768 experts, alternated in one process). Each call prefetches simd.PREFETCH bytes ahead.
+its four products go into acc one FMA each (simd.Emit.finish chain). Each call prefetches
+simd.PREFETCH bytes ahead.
 Parallelized by the caller (matmul) over runs of rows.
 """
 import numpy as np

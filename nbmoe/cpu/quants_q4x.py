@@ -4,10 +4,9 @@ Letters: K values in a row, B = K / 32 blocks, RB = 18 B bytes a row, S = ceil(R
 steps of 64 bytes, L = a 32-bit lane (4 bytes) of a step. x as quantize_x gives it: xq [K]
 int8 codes, xd [B] scales (quants_int8).
 
-Why: the block-at-a-time kernel (quants_int8.acc_blocks) spends ~2.7 cycles a block on
+Why: the block-at-a-time kernel (quants_int8.acc_blocks) spends most of its cycles on
 gathering each block's 16 bytes into a register twice (broadcast, insert, variable shift)
-and its f16 scale (4 word inserts a 4 blocks, a permute a pair): compute-bound at ~0.7 of
-the streaming read. Here the weight row is read as it lies, 64 bytes at a time, and x is
+and its f16 scale (4 word inserts a 4 blocks, a permute a pair): compute-bound. Here the weight row is read as it lies, 64 bytes at a time, and x is
 rearranged instead, once per call, so that its codes sit under the nibbles they multiply:
 
   row bytes    0  1 | 2 ............ 17 | 18 19 | 20 ........... 35 | 36 37 | ...
@@ -26,8 +25,7 @@ rearranged instead, once per call, so that its codes sit under the nibbles they 
   carries Q4_0's v = d (q - 8).
 
 Per step: 2 loads of W, 5 of the x record, 2 and + 1 shift, 2 vpdpbusd, vpermi2w,
-vcvtph2ps, cvtdq2ps, 1 mul, 1 FMA for 3.56 blocks (~1.8 cycles a block by llvm-mca on
-Cascade Lake, from ~2.7). A row's last step reads on into the next row (x is 0 there); only
+vcvtph2ps, cvtdq2ps, 1 mul, 1 FMA for 3.56 blocks. A row's last step reads on into the next row (x is 0 there); only
 the last row of w takes masked loads.
 
 The x record (REC * S bytes, built by prepare_q4x; K-dependent only through RB): six sections,

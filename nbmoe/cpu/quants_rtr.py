@@ -5,8 +5,8 @@ reads them (Q4_K: quants_rtr_k, IQ4_XS: quants_rtr_xs, dispatched from here).
 Letters: M rows, K values per row, B = K / 32 blocks per row, G = M // 16 full groups of
 16 rows; r = 0..15 a row of its group (= a 32-bit lane of a 512-bit register).
 
-Why: the plain kernels (quants_int8) spend ~2.7 cycles a Q4_0 block on gathering one row's
-bytes into a register (nibble shuffles, per-block scale picks): compute-bound. Here one
+Why: the plain kernels (quants_int8) spend most of a Q4_0 block's cycles on gathering one
+row's bytes into a register (nibble shuffles, per-block scale picks): compute-bound. Here one
 512-bit load holds 4 values of each of 16 rows, x's 4 codes are broadcast to all 16 lanes,
 and one vpdpbusd adds 4 products to each row's int32 lane: no shuffles and no horizontal
 sums; the only unpacking is an AND (Q4: q & 0x0F, q & 0xF0). ik_llama.cpp's `-rtr` and its
@@ -67,8 +67,8 @@ from .simd import PREFETCH, load_at, lut, prefetch_lines, splat
 
 GROUP = 16
 u64 = np.uint64
-# Independent int32 chains per block (their vpdpbusd are dependent, 5 cycles each): 2 -> 4
-# took Q4_0 in L2 from ~1.2 to ~1.05 cycles a row-block (1 thread, shared VM).
+# Independent int32 chains per block: each chain's vpdpbusd wait on each other (5 cycles
+# each), so more chains keep the port busy.
 CHAINS = 4
 # The repacked layouts' qtype ids (not GGML types) and their GGUF originals (Q4_K: quants_rtr_k).
 Q4_0_R16, Q4_1_R16, Q8_0_R16, IQ4_NL_R16, MXFP4_R16 = 1002, 1003, 1008, 1020, 1039

@@ -5,8 +5,8 @@ Letters: M rows, K values per row, SB = K / 256 super-blocks per row, G = M // 1
 of 16 rows; r = 0..15 a row of its group (= a 32-bit lane of a 512-bit register); j = 0..7 a
 sub-block of 32 values (= one x-block of quantize_x: xq, xd [K / 32], xs = xd * block sums).
 
-Why: the plain Q4_K kernel (quants_k_i8) spends ~62 vector instructions a super-block of one
-row on unpacking (variable 16-bit shifts, a permute for the scales): ~0.14 cycles a byte.
+Why: the plain Q4_K kernel (quants_k_i8) spends most of a super-block's vector instructions
+on unpacking one row (variable 16-bit shifts, a permute for the scales).
 Here, as in quants_rtr, one 512-bit load holds 4 codes of each of 16 rows, x's 4 codes are
 broadcast, and one vpdpbusd adds 4 products to every row's lane; the 6-bit scales and mins
 of 16 rows unpack together, one AND and one conversion each (their bit position is folded

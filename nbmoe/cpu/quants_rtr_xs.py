@@ -180,7 +180,7 @@ def _emit_record(context, b, sig, args):
         return x_word16(b, x, v)
     low = const(I8, [0x0F] * 64)
     terms = []
-    for j in range(8):     # two chains a sub-block (low, high nibbles): 168 -> 145 cycles a record (llvm-mca)
+    for j in range(8):     # two chains a sub-block (low, high nibbles): shorter dependency chains
         lo, hi = splat(b, b.load(b.gep(bias, [c(j)])), 16), ir.Constant(vec(I32, 16), None)
         for k in range(4):
             q = load(rec, HEAD + 64 * (4 * j + k), v64)

@@ -14,45 +14,30 @@ one 4-cycle FMA per term: 5 per Q4_K super-block, 20 cycles).
 
 dot: `vpdpbusd` (AVX-512 VNNI) through its LLVM intrinsic where the CPU has it, else plain
 widen-multiply-add IR (same results, slower). lut (a 16-entry byte table lookup): `vpshufb`.
-With a block's byte count, acc_intrinsic also prefetches the bytes PREFETCH further on: the
-largest single gain measured (matrix-vector 0.45-0.5 -> 0.8-0.9 of streaming read).
+With a block's byte count, acc_intrinsic also prefetches the bytes PREFETCH further on (the
+hardware prefetchers alone leave the decode waiting on memory: docs/kernels.md).
 What bounds these kernels in cache: the 512-bit ports (p0, p5: ~2 vector ops per cycle), so
-each op saved per 64 values counts; Q4_K is ~50 instructions per 256 values (57 before its
-x was rearranged to the codes' order, quants_k_i8).
+each op saved per 64 values counts.
 """
-import os
-
 import llvmlite.binding as llb
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from nbmoe import config
+
 _FEATURES = llb.get_host_cpu_features()
-# NBMOE_NO_VNNI=1 forces the generic dot, as in quants_int8 (with its own NUMBA_CACHE_DIR).
-HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and not os.environ.get("NBMOE_NO_VNNI")
+# config.NO_VNNI (NBMOE_NO_VNNI=1) forces the generic dot (it names another kernel cache).
+HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) and not config.NO_VNNI
 HAS_AVX512BW = bool(_FEATURES.get("avx512bw"))
 # Byte permutes across a whole 512-bit register (vpermb / vpermt2b): the 4-bit table types'
 # quads gather their blocks with them (quants_iq4).
 HAS_VBMI = bool(_FEATURES.get("avx512vbmi")) and HAS_AVX512BW
 HAS_AVX2 = bool(_FEATURES.get("avx2"))
-# Bytes ahead of the block being decoded whose cache lines each block prefetches (0: none).
-# Matrix-vector, 2 threads, Emerald Rapids, fraction of streaming read: 0.44-0.51 without,
-# 0.6 at 512, 0.7 at 1024, 0.8 at 2048, 0.85-0.9 at 4096 (Q4_K, Q6_K, IQ4_XS, MXFP4, one
-# stream a thread): the hardware prefetchers alone leave the decode waiting on memory. With
-# four streams a thread (quants.rows_in_streams) 3072 reads ~5% faster than 4096 (Q4_K, both
-# shapes, in one process, alternated; session 15). A compile-time constant: NBMOE_PREFETCH
-# overrides it for experiments (the kernel cache key in nbmoe/__init__.py includes it).
-
-
-def _prefetch_bytes(default=3072):
-    text = os.environ.get("NBMOE_PREFETCH", str(default))
-    if not text.isdigit():
-        raise SystemExit(f"error: NBMOE_PREFETCH={text!r}: want a byte count (0: no prefetches)")
-    return int(text)
-
-
-PREFETCH = _prefetch_bytes()
+# Bytes ahead of the block being decoded whose cache lines each block prefetches (0: none);
+# a compile-time constant, chosen by the sweep in docs/kernels.md.
+PREFETCH = 3072
 
 I1, I8, I16, I32, I64, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
                               ir.IntType(64), ir.FloatType())

@@ -2,9 +2,8 @@
 then takes the items left in other workers' shares.
 
 prange hands worker w the items [w * n / W, (w + 1) * n / W) and nothing else, so a parallel
-region lasts as long as its slowest thread. With 16 threads the slowest of one token's expert
-calls (H200 box, Q4_0 experts 128 x 2048 x 768, 8 chosen) finished ~30 us after the fastest:
-a quarter of the call. Here worker w still starts on its own share, front to back (its reads
+region lasts as long as its slowest thread (with 16 threads, a quarter of an expert call's
+time: docs/kernels.md). Here worker w still starts on its own share, front to back (its reads
 stay one stream for the hardware prefetchers), and when that is done it takes items from the
 fronts of the other shares, one at a time. Each share's next item is a counter that workers
 advance with an atomic add, so an item is run exactly once whoever takes it.
