@@ -229,6 +229,19 @@ def test_cli_preset(tmp_path, capsys):
         mm.main(["--preset", "smollm2-135m", "--arch", "qwen3", "-o", str(out)])
 
 
+def test_cli_set_changes_preset_shapes(tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    mm.main(["--preset", "mixtral-8x7b", "--layers", "1", "--vocab-from", "none", "--set", "n_embd=256",
+             "--set", "n_ff=256", "--set", "n_head=4", "--set", "n_head_kv=2", "--set", "n_vocab=512",
+             "--type", "default=Q4_1", "-o", str(out)])
+    f = GGUFFile(out)
+    assert f.meta["llama.embedding_length"] == 256 and f.meta["llama.expert_count"] == 8
+    assert f.tensors["blk.0.ffn_up_exps.weight"].ne == (256, 256, 8)
+    for bad in ("n_embd", "n_embd=x", "colour=4"):
+        with pytest.raises(SystemExit):
+            mm.main(["--preset", "mixtral-8x7b", "--set", bad, "-o", str(out)])
+
+
 # ---- upcycling -------------------------------------------------------------------------------
 
 def test_upcycle_copies_experts_bytewise(tiny_model, tmp_path):

