@@ -10,6 +10,15 @@ import numba
 if "NUMBA_SLP_VECTORIZE" not in os.environ:
     numba.config.SLP_VECTORIZE = 1
 
+# Threads that wait for the next parallel region sleep instead of polling, which on a busy machine
+# takes the core from the thread they wait for. Read when Numba first runs in parallel.
+from nbmoe import config as _config  # noqa: E402
+
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = _config.OMP_WAIT_POLICY
+if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & set(os.environ):
+    numba.config.THREADING_LAYER_PRIORITY = list(_config.THREADING_LAYERS)
+
 
 def _kernel_cache_dir():
     """Numba checks only a cached function's own file, so an edited helper module (a block

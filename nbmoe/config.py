@@ -35,6 +35,13 @@ INT8_DOT = env_flag("NBMOE_INT8_DOT", True)
 # NBMOE_GEMM_I8=0: batched products (prompts) by dequantize + BLAS (exact), not gemm_i8's 8-bit x.
 GEMM_I8 = env_flag("NBMOE_GEMM_I8", True)
 
+# ---- Threads
+# OMP_WAIT_POLICY / GOMP_SPINCOUNT: unless either is set, nbmoe sets OMP_WAIT_POLICY to this, so an
+# idle thread sleeps at once (libgomp's default polls ~ms, stalling a busy machine: docs/performance.md).
+OMP_WAIT_POLICY = "PASSIVE"
+# NUMBA_THREADING_LAYER(_PRIORITY): unless set, Numba's threading layers are tried in this order.
+THREADING_LAYERS = ("omp", "tbb", "workqueue")
+
 # ---- CUDA: fallbacks for a driver that refuses a feature
 # NBMOE_NO_GRAPHS=1: launch decoding's kernels one by one instead of replaying CUDA graphs.
 GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)

@@ -1,0 +1,69 @@
+"""The threading choice (nbmoe/__init__.py): Numba's OpenMP layer, whose idle threads sleep.
+
+libgomp reads its settings once, when Numba first runs in parallel, and OMP_DISPLAY_ENV makes
+it print the values it took; so each case is a fresh process that imports nbmoe and runs a
+parallel kernel.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nbmoe import config
+
+PROBE = """
+import numba
+import numpy as np
+
+import nbmoe  # noqa: F401
+
+@numba.njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in numba.prange(a.shape[0]):
+        s += a[i]
+    return s
+
+assert total(np.ones(64)) == 64.0
+print(",".join(numba.config.THREADING_LAYER_PRIORITY), numba.threading_layer())
+"""
+
+
+def probe(**env):
+    """(Numba's layer order, the layer it runs, libgomp's settings as printed) in a fresh process."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV",
+                          "NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY")}
+    clean.update(env, OMP_DISPLAY_ENV="VERBOSE")
+    out = subprocess.run([sys.executable, "-c", PROBE], env=clean, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    order, layer = out.stdout.split()[-2:]
+    return order, layer, out.stderr
+
+
+def test_idle_threads_sleep_by_default():
+    order, layer, err = probe()
+    assert order == ",".join(config.THREADING_LAYERS) and order.startswith("omp")
+    if layer != "omp":
+        pytest.skip(f"Numba has no OpenMP layer here; it runs {layer}")
+    assert f"OMP_WAIT_POLICY = '{config.OMP_WAIT_POLICY}'" in err
+    assert "GOMP_SPINCOUNT = '0'" in err          # PASSIVE: no polling at all
+
+
+@pytest.mark.parametrize("env, shown", [
+    ({"GOMP_SPINCOUNT": "123456"}, "GOMP_SPINCOUNT = '123456'"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),
+])
+def test_a_users_wait_setting_wins(env, shown):
+    _, layer, err = probe(**env)
+    if layer != "omp":
+        pytest.skip(f"Numba has no OpenMP layer here; it runs {layer}")
+    assert shown in err
+    assert "GOMP_SPINCOUNT = '0'" not in err
+
+
+def test_a_users_layer_order_wins():
+    order, _, _ = probe(NUMBA_THREADING_LAYER_PRIORITY="workqueue omp tbb")
+    assert order == "workqueue,omp,tbb"
