@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--burn-limit", type=float, default=1800, help="seconds after which a burner stops itself")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds one bench run may take")
     p.add_argument("--json", default=None, help="write every run's results here")
+    p.add_argument("--table", default=None, metavar="JSON", help="only print the table of a --json file")
     args = p.parse_args(argv)
     args.configs = [parse_config(c) + (False,)
                     for c in (args.config or ["before:GOMP_SPINCOUNT=300000", "after:"])]
@@ -133,6 +134,11 @@ def main(argv=None):
     args = parse_args(argv)
     # a kill ends the script through its finally blocks, which stop the burners
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.table:
+        with open(args.table) as f:
+            runs = [tuple(r.values()) for r in json.load(f)]
+        print_table(runs, list(dict.fromkeys(r[2] for r in runs)))
+        return
     model = args.model
     if model is None:
         from nbmoe.loader.default_model import default_model_path
@@ -151,16 +157,20 @@ def main(argv=None):
                     results, load = run_once(args, name, env, llama, model)
                     for test, threads, ts in results:
                         runs.append((rnd, phase, name, test, threads, ts, load, load_average()))
+                    save(args.json, runs)
                     shown = ", ".join(f"{t} t{n} {v:.1f}" for t, n, v in results)
                     print(f"round {rnd} {phase:6s} {name:10s} runnable {load:4.1f}: {shown}", file=sys.stderr)
             finally:
                 stop_burners(burners)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dict(zip(("round", "phase", "config", "test", "threads", "ts", "runnable",
-                                 "loadavg"), r))
-                       for r in runs], f, indent=1)
     print_table(runs, [name for name, _, _ in args.configs])
+
+
+def save(path, runs):
+    """Every run so far, rewritten after each (a stopped script keeps what it measured)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump([dict(zip(("round", "phase", "config", "test", "threads", "ts", "runnable",
+                                 "loadavg"), r)) for r in runs], f, indent=1)
 
 
 def print_table(runs, names):
