@@ -48,18 +48,18 @@ class LineReader:
     def __init__(self, ctrl_c):
         self.ctrl_c = ctrl_c
         self.interactive = sys.stdin.isatty()
-        self.session = None
+        self.line_editor = None
         if self.interactive and sys.stdout.isatty():
             try:
                 from prompt_toolkit import PromptSession
-                self.session = PromptSession()
+                self.line_editor = PromptSession()
             except Exception:   # no usable terminal for it (odd TERM): plain lines still work
-                self.session = None
+                self.line_editor = None
 
     def read(self):
         try:
-            if self.session is not None:     # raw mode: Ctrl-C is a key, prompt() raises
-                return self.session.prompt([("ansigreen bold", "> ")])
+            if self.line_editor is not None:     # raw mode: Ctrl-C is a key, prompt() raises
+                return self.line_editor.prompt([("ansigreen bold", "> ")])
             if self.interactive:
                 from nbmoe.cli.common import err_console
                 err_console.print("[bold green]> [/]", end="")
@@ -67,7 +67,7 @@ class LineReader:
                 line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
         except KeyboardInterrupt:
-            if self.session is None and self.interactive:
+            if self.line_editor is None and self.interactive:
                 sys.stderr.write("\n")
             return ""
         except EOFError:
