@@ -37,6 +37,9 @@ def _kernel_cache_dir():
 
 if "NUMBA_CACHE_DIR" not in os.environ:
     numba.config.CACHE_DIR = _kernel_cache_dir()
+    from nbmoe import kernel_cache  # noqa: E402
+
+    kernel_cache.install()      # one cache for every install path of the same sources
 
 from nbmoe import load_order  # noqa: E402
 
