@@ -1,7 +1,8 @@
 """nbmoe's bench (and llama.cpp's llama-bench) on an idle and on a loaded machine, alternated.
 
-    python tools/loaded_bench.py -r 5 -b 7 --llama-bench /path/to/llama-bench \\
+    python tools/loaded_bench.py -r 4 -b 7 --llama-bench /path/to/llama-bench \\
         -c before:GOMP_SPINCOUNT=300000 -c after: -l llama.cpp: -l llama.cpp-passive:OMP_WAIT_POLICY=PASSIVE
+    python tools/loaded_bench.py --phases idle --nice -20 ...     # as root: close to an idle machine
 
 Each round runs every configuration (-c NAME:VAR=VALUE,...: nbmoe's bench in a fresh process
 with those environment variables; -l: llama-bench likewise) once alone and once beside -b
@@ -42,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2, help="repetitions inside each bench run")
     p.add_argument("-r", "--rounds", type=int, default=3, help="rounds (each: every configuration idle and loaded)")
     p.add_argument("-b", "--burners", type=int, default=7, help="CPU-burning processes in the loaded phase")
+    p.add_argument("--phases", default="idle,loaded", help="which phases to run (comma list)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="niceness of the bench runs (-20 as root: the machine's other load "
+                        "barely reaches them, close to an idle machine)")
     p.add_argument("--burn-limit", type=float, default=1800, help="seconds after which a burner stops itself")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds one bench run may take")
     p.add_argument("--json", default=None, help="write every run's results here")
@@ -77,7 +82,8 @@ def run_once(args, name, config_env, llama, model):
         env.pop(var, None)
     env.update(config_env)
     cmd = bench_command(args, llama, model)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.nice(args.nice)) if args.nice else None)
     samples, done = [], threading.Event()
 
     def sample():
@@ -147,7 +153,7 @@ def main(argv=None):
     for rnd in range(args.rounds):
         k = rnd % len(args.configs)
         order = args.configs[k:] + args.configs[:k]
-        phases = ("idle", "loaded") if rnd % 2 == 0 else ("loaded", "idle")
+        phases = args.phases.split(",")[::1 if rnd % 2 == 0 else -1]
         for phase in phases:
             burners = start_burners(args.burners, args.burn_limit) if phase == "loaded" else []
             try:
@@ -175,7 +181,8 @@ def save(path, runs):
 
 def print_table(runs, names):
     """Median t/s per (test, threads) row and (phase, configuration) column."""
-    cols = [(ph, n) for ph in ("idle", "loaded") for n in names]
+    phases = [ph for ph in ("idle", "loaded") if any(r[1] == ph for r in runs)]
+    cols = [(ph, n) for ph in phases for n in names]
     keys = sorted({(r[3], r[4]) for r in runs}, key=lambda k: (k[0][:2] != "pp", k[0], k[1]))
     print("| test | threads | " + " | ".join(f"{n} {ph}" for ph, n in cols) + " |")
     print("|---|---:|" + "---:|" * len(cols))
