@@ -11,7 +11,8 @@ differently. For Q4_K that copy is the slower one (docs/kernels.md).
 So every process that compiles records the callees it compiles (module, name, signature; in
 the order the compiles end, callees before their callers) in a file beside Numba's cache, and
 preload() loads them from the cache, in that order, before anything runs (milliseconds a
-kernel); one whose cache entry went missing is compiled again.
+kernel); one whose cache entry went missing is compiled again. A kernel built for constants
+(cpu/specialize.py) is named by its factory and those constants.
 """
 import importlib
 import os
@@ -49,11 +50,13 @@ class _Recorder(event.Listener):
         disp = ev.data["dispatcher"]
         fn = getattr(disp, "py_func", None)
         opts = getattr(disp, "targetoptions", {})
-        if (self.depth == 0 or fn is None or not fn.__module__.startswith("nbmoe.cpu.")
+        if (self.depth == 0 or fn is None or not str(fn.__module__).startswith("nbmoe.cpu.")
                 or type(getattr(disp, "_cache", None)).__name__ in ("NullCache", "NoneType")
                 or opts.get("parallel") or opts.get("inline") == "always"):
             return
-        entry = (fn.__module__, fn.__qualname__, tuple(ev.data["args"]))
+        origin = getattr(disp, "nbmoe_origin", None)       # (module, factory, constants)
+        name = (origin[1], origin[2]) if origin else fn.__qualname__
+        entry = (fn.__module__ if not origin else origin[0], name, tuple(ev.data["args"]))
         try:    # an argument type that does not pickle back (none known) is left out, and a
             data = pickle.dumps(entry)      # failure here must not fail the compile
             pickle.loads(data)
@@ -73,7 +76,8 @@ def record():
 
 
 def entries(path=None):
-    """The recorded (module, qualname, argument types), oldest first; a damaged tail ends it."""
+    """The recorded (module, qualname or (factory, constants), argument types), oldest first;
+    a damaged tail ends it."""
     try:
         with open(path or _path(), "rb") as f:
             while True:
@@ -90,13 +94,17 @@ def preload():
         return 0
     _preloaded = True
     n = 0
-    for module, qualname, args in entries():
+    from nbmoe.cpu.specialize import build
+    for module, name, args in entries():
         try:
             obj = importlib.import_module(module)
         except ImportError:
             continue
-        for part in qualname.split("."):
+        factory, key = name if isinstance(name, tuple) else (name, None)
+        for part in factory.split("."):
             obj = getattr(obj, part, None)
+        if key is not None and callable(obj):
+            obj = build(obj, key)
         if hasattr(obj, "compile"):
             obj.compile(args)
             n += 1

@@ -6,21 +6,26 @@ import subprocess
 import sys
 
 from nbmoe import load_order
+from nbmoe.cpu.quants_k import Q4_K
 
 COMPILE = """
 import numpy as np, nbmoe
 from nbmoe.cpu import matmul
-from nbmoe.cpu.quants import Q8_0
-matmul._prepare_x(np.ones((1, 64), np.float32), True, Q8_0)
+from nbmoe.cpu.quants_k import Q4_K
+matmul._products((np.zeros((1, 1), np.float32),) * 3, (np.zeros((1, 144), np.uint8),) * 3,
+                 np.ones((1, 256), np.float32), Q4_K, True, 1, np.array([1, 0, 0]))
 """
 
 PRELOAD = """
 import nbmoe
 from nbmoe import load_order
 from nbmoe.cpu import matmul, quants_int8
+from nbmoe.cpu.quants_k import Q4_K
+from nbmoe.cpu.specialize import build
 n = load_order.preload()
+prepare_x = build(matmul._prepare_x_kernel, (True, Q4_K))
 print(n, len(quants_int8.quantize_x.stats.cache_hits), len(quants_int8.quantize_x.stats.cache_misses),
-      len(matmul._prepare_x.stats.cache_hits), len(matmul._prepare_x.stats.cache_misses))
+      len(prepare_x.stats.cache_hits), len(prepare_x.stats.cache_misses))
 """
 
 
@@ -32,15 +37,16 @@ def _run(code, cache):
 def test_callees_are_recorded_first_and_preloaded_from_the_cache(tmp_path):
     _run(COMPILE, tmp_path)
     names = [q for m, q, _ in load_order.entries(str(tmp_path / "callees.pkl"))]
-    # _prepare_x (called from Python: not recorded) calls quantize_x and prepare_blocks, which
-    # calls prepare_q4_k / prepare_quads: callees' compiles end before their callers'
-    assert "_prepare_x" not in names and "quantize_x" in names
-    assert names.index("prepare_q4_k") < names.index("prepare_blocks")
-    assert names.index("prepare_quads") < names.index("prepare_blocks")
+    # the products kernel for Q4_K (called from Python: not recorded) calls _prepare_x's
+    # kernel (recorded as its factory and constants), which calls quantize_x and
+    # prepare_blocks, which calls prepare_q4_k: callees' compiles end before their callers'
+    prepare_x = names.index(("_prepare_x_kernel", (True, Q4_K)))
+    assert names.index("quantize_x") < prepare_x
+    assert names.index("prepare_q4_k") < names.index("prepare_blocks") < prepare_x
     n, hits, misses, caller_hits, caller_misses = map(int, _run(PRELOAD, tmp_path).split())
     assert n == len(names)
-    # the callees came from the cache, compiling nothing; the caller is left for its first call
-    assert (hits, misses, caller_hits, caller_misses) == (1, 0, 0, 0)
+    # the callees came from the cache, compiling nothing (the kernel of _prepare_x too)
+    assert (hits, misses, caller_hits, caller_misses) == (1, 0, 1, 0)
 
 
 def test_a_damaged_record_ends_the_list(tmp_path):

@@ -221,25 +221,44 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
 
 # ---------------------------------------------------------------- attention
 
-@njit(cache=True, error_model="numpy")
 def attention(out, q, k_cache, v_cache, pos0, scale, window=0):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
     j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent
     positions, itself included). The cache must already hold rows 0 .. pos0 + T - 1
-    (store_kv first).
+    (store_kv first). One token and a batch are separate kernels: each compiles alone.
     """
-    T, H, Dh = q.shape
+    if q.shape[0] == 1:
+        decode_attention(out, q, k_cache, v_cache, pos0, scale, window)
+    else:
+        batch_attention(out, q, k_cache, v_cache, pos0, scale, window)
+
+
+@njit(inline="always")
+def _keys(T, pos0, window, k_cache):
     if pos0 < 0 or pos0 + T > k_cache.shape[0]:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
-    n = pos0 + 1 if window == 0 else min(pos0 + 1, window)
-    if T == 1:
-        if n * H * Dh >= SPLIT_MIN_WORK and n >= 2 * SPLIT_MIN_KEYS:
-            _decode_split(out, q, k_cache, v_cache, pos0, scale, window)
-        else:
-            _decode_seq(out, q, k_cache, v_cache, pos0, scale, window)
-    elif T * n * H * Dh >= PAR_MIN_WORK:
+    return pos0 + 1 if window == 0 else min(pos0 + 1, window)
+
+
+@njit(cache=True, error_model="numpy")
+def decode_attention(out, q, k_cache, v_cache, pos0, scale, window=0):
+    """attention() of one token (T = 1)."""
+    H, Dh = q.shape[1], q.shape[2]
+    n = _keys(1, pos0, window, k_cache)
+    if n * H * Dh >= SPLIT_MIN_WORK and n >= 2 * SPLIT_MIN_KEYS:
+        _decode_split(out, q, k_cache, v_cache, pos0, scale, window)
+    else:
+        _decode_seq(out, q, k_cache, v_cache, pos0, scale, window)
+
+
+@njit(cache=True, error_model="numpy")
+def batch_attention(out, q, k_cache, v_cache, pos0, scale, window=0):
+    """attention() of T > 1 tokens (prompts)."""
+    T, H, Dh = q.shape
+    n = _keys(T, pos0, window, k_cache)
+    if T * n * H * Dh >= PAR_MIN_WORK:
         flash.flash_par(out, q, k_cache, v_cache, pos0, scale, window)
     else:
         flash.flash_seq(out, q, k_cache, v_cache, pos0, scale, window)

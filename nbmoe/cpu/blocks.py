@@ -13,7 +13,8 @@ to run on the calling thread, matmul.SERIAL_MAX_BYTES), and the small row ops be
 run on the calling thread, as they do unfused at T = 1.
 
 Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
-as matmul's matrix-vector kernels take them. Absent optional norms are empty arrays.
+as matmul's matrix-vector kernels take them; a block is built per tuple of qtypes and int8
+paths (specialize.py). Absent optional norms are empty arrays.
 """
 from numba import njit
 
@@ -21,6 +22,7 @@ from . import attention as attn
 from . import moe, ops
 from .fused import down_combine, glu
 from .matmul import _mul_mat_id_vec, _products, mat_vec
+from .specialize import ConstantArgs, entry
 
 
 @njit(cache=True, error_model="numpy")
@@ -30,9 +32,7 @@ def _norm_if(x, w, eps):
         ops.rms_norm(x, x, w, eps)
 
 
-@njit(cache=True, error_model="numpy")
-def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, qtypes, int8s,
-               steps, rows, rope_p, neox, kc, vc, scale, window):
+def _attn_block_kernel(qtypes, int8s):
     """x [1, D] += post_norm(attn(rope(norm(q)), rope(norm(k)), v) @ Wo^T), with
     q, k, v = attn_norm(x) @ Wq^T, Wk^T, Wv^T.
 
@@ -41,42 +41,59 @@ def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, qty
     product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has another type than q
     and k, and then runs on its own); rope_p = (n_rot, freq_base, freq_scale).
     """
-    attn_norm, q_norm, k_norm, post_norm = norms
-    ops.rms_norm(h, x, attn_norm, eps)                               # [1, D]
-    q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
-    _products((q2, k2, v2), (wq, wk, wv), h, qtypes[0], int8s[0], steps[0], rows)
-    if rows[2] == 0:     # v of another type: its own product
-        mat_vec(v2, wv, h, qtypes[2], int8s[2], steps[2])
-    _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
-    _norm_if(k, k_norm, eps)
-    n_rot, base, freq_scale = rope_p
-    ops.rope(q, pos, n_rot, base, neox, freq_scale)
-    ops.rope(k, pos, n_rot, base, neox, freq_scale)
-    attn.store_kv(kc, vc, k, v, pos0)
-    attn.attention(att, q, kc, vc, pos0, scale, window)              # [1, H, Dh]
-    mat_vec(o, wo, att.reshape(1, att.size), qtypes[3], int8s[3], steps[3])   # [1, D]
-    _norm_if(o, post_norm, eps)
-    ops.add(x, x, o)
+    qt_qk, qt_v, qt_o = qtypes[0], qtypes[2], qtypes[3]
+    i8_qk, i8_v, i8_o = int8s[0], int8s[2], int8s[3]
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, steps, rows,
+                   rope_p, neox, kc, vc, scale, window):
+        attn_norm, q_norm, k_norm, post_norm = norms
+        ops.rms_norm(h, x, attn_norm, eps)                               # [1, D]
+        q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
+        _products((q2, k2, v2), (wq, wk, wv), h, qt_qk, i8_qk, steps[0], rows)
+        if rows[2] == 0:     # v of another type: its own product
+            mat_vec(v2, wv, h, qt_v, i8_v, steps[2])
+        _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
+        _norm_if(k, k_norm, eps)
+        n_rot, base, freq_scale = rope_p
+        ops.rope(q, pos, n_rot, base, neox, freq_scale)
+        ops.rope(k, pos, n_rot, base, neox, freq_scale)
+        attn.store_kv(kc, vc, k, v, pos0)
+        attn.decode_attention(att, q, kc, vc, pos0, scale, window)       # [1, H, Dh]
+        mat_vec(o, wo, att.reshape(1, att.size), qt_o, i8_o, steps[3])   # [1, D]
+        _norm_if(o, post_norm, eps)
+        ops.add(x, x, o)
+    return attn_block
 
 
-@njit(cache=True, error_model="numpy")
-def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act):
+attn_block = entry(_attn_block_kernel, "x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, "
+                   "wo, qtypes, int8s, steps, rows, rope_p, neox, kc, vc, scale, window")
+
+
+def _ffn_block_kernel(qtypes, int8s):
     """x [1, D] += post_norm(act(h @ Wg^T) * (h @ Wu^T) @ Wd^T), h = ffn_norm(x).
 
     h [1, D], g [1, F], f [1, D]: the graph's buffers; norms = (ffn_norm, post_ffw_norm);
     qtypes, int8s, steps: per product gate/up (one type), down; act: fused.ACT_*.
     """
-    ffn_norm, post_norm = norms
-    ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
-    glu(g, wg, wu, h, qtypes[0], int8s[0], steps[0], act)            # [1, F]
-    mat_vec(f, wd, g, qtypes[1], int8s[1], steps[1])            # [1, D]
-    _norm_if(f, post_norm, eps)
-    ops.add(x, x, f)
+    qt_gu, qt_d = qtypes
+    i8_gu, i8_d = int8s
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, steps, act):
+        ffn_norm, post_norm = norms
+        ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
+        glu(g, wg, wu, h, qt_gu, i8_gu, steps[0], act)                   # [1, F]
+        mat_vec(f, wd, g, qt_d, i8_d, steps[1])                          # [1, D]
+        _norm_if(f, post_norm, eps)
+        ops.add(x, x, f)
+    return ffn_block
 
 
-@njit(cache=True, error_model="numpy")
-def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
-              act, norm_topk, n_workers):
+ffn_block = entry(_ffn_block_kernel, "x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act")
+
+
+def _moe_block_kernel(qtypes, int8s):
     """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
     h = ffn_norm(x), e_a and wts = the top-A of the router's logits h @ Wr^T.
 
@@ -84,12 +101,23 @@ def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, 
     norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
     (one type), down; n_workers: the expert products' (numba.get_num_threads()).
     """
-    ffn_norm, post_norm = norms
-    ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
-    mat_vec(logits, wr, h, qtypes[0], int8s[0], steps[0])       # [1, E]
-    moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
-    _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qtypes[1], ids.size + 1, int8s[1],
-                    steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
-    down_combine(f, wd, g, ids, wts, qtypes[2], int8s[2], steps[2], n_workers)    # [1, D]
-    _norm_if(f, post_norm, eps)
-    ops.add(x, x, f)
+    qt_r, qt_gu, qt_d = qtypes
+    i8_r, i8_gu, i8_d = int8s
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, steps, act, norm_topk,
+                  n_workers):
+        ffn_norm, post_norm = norms
+        ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
+        mat_vec(logits, wr, h, qt_r, i8_r, steps[0])                     # [1, E]
+        moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
+        _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
+                        steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
+        down_combine(f, wd, g, ids, wts, qt_d, i8_d, steps[2], n_workers)    # [1, D]
+        _norm_if(f, post_norm, eps)
+        ops.add(x, x, f)
+    return moe_block
+
+
+moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
+                  "qtypes, int8s, steps, act, norm_topk, n_workers")

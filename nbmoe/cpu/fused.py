@@ -20,7 +20,8 @@ import numpy as np
 from numba import njit, prange
 
 from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, _prepare_x,  # noqa: F401
-                     _products)
+                     _products, _products_kernel)
+from .specialize import ConstantArgs, build, entry
 from .work_queue import new_queue, next_item
 
 
@@ -38,24 +39,30 @@ def products_step(outs, ws, x, qtype, int8, step):
     if len(ws) == 2:
         outs, ws, rows = (outs[0], outs[1], outs[1]), (ws[0], ws[1], ws[1]), rows + [0]
     o, w, r = tuple(outs), tuple(ws), np.array(rows, np.int64)
-    return lambda: _products(o, w, x, qtype, int8, step, r)
+    kernel = build(_products_kernel, (int(qtype), bool(int8)))
+    return lambda: kernel(o, w, x, step, r)
 
 
 # ---------------------------------------------------------------- glu (dense)
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def glu(out, wg, wu, x, qtype, int8, step, act):
+def _glu_kernel(qtype, int8):
     """out [T, M] = act(x @ Wg^T) * (x @ Wu^T); items of `step` rows."""
-    xsum, xi = _prepare_x(x, int8, qtype)
-    M = wg.shape[0]
-    for item in prange((M + step - 1) // step):
-        r0, r1 = item * step, min(M, (item + 1) * step)
-        g = np.empty(r1 - r0, np.float32)
-        u = np.empty(r1 - r0, np.float32)
-        for t in range(x.shape[0]):
-            _dot_rows(qtype, g, wg[r0:r1], x, t, xsum, xi, int8)
-            _dot_rows(qtype, u, wu[r0:r1], x, t, xsum, xi, int8)
-            _glu_rows(out[t, r0:r1], g, u, act)
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def glu(out, wg, wu, x, step, act):
+        xsum, xi = _prepare_x(x, int8, qtype)
+        M = wg.shape[0]
+        for item in prange((M + step - 1) // step):
+            r0, r1 = item * step, min(M, (item + 1) * step)
+            g = np.empty(r1 - r0, np.float32)
+            u = np.empty(r1 - r0, np.float32)
+            for t in range(x.shape[0]):
+                _dot_rows(qtype, g, wg[r0:r1], x, t, xsum, xi, int8)
+                _dot_rows(qtype, u, wu[r0:r1], x, t, xsum, xi, int8)
+                _glu_rows(out[t, r0:r1], g, u, act)
+    return glu
+
+
+glu = entry(_glu_kernel, "out, wg, wu, x, qtype, int8, step, act")
 
 
 # ---------------------------------------------------------------- glu_id (experts)
@@ -73,27 +80,32 @@ def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
 # (as moe_combine: out = w0 * y0, then out += w_a * y_a). Items shared out over n_workers
 # (numba.get_num_threads()) by work_queue, as the expert products'.
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def down_combine(out, w, x, ids, wts, qtype, int8, step, n_workers):
-    M = w.shape[1]
-    T, A, K = x.shape
-    xf = x.reshape(T * A, K)
-    xsum, xi = _prepare_x(xf, int8, qtype)
-    queue = new_queue((M + step - 1) // step, n_workers)
-    for worker in prange(n_workers):
-        item = next_item(queue, worker)
-        while item >= 0:
-            r0, r1 = item * step, min(M, (item + 1) * step)
-            y = np.empty(r1 - r0, np.float32)
-            for t in range(T):
-                o = out[t, r0:r1]
-                for a in range(A):
-                    _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
-                    wa = wts[t, a]
-                    if a == 0:
-                        for i in range(r1 - r0):
-                            o[i] = wa * y[i]
-                    else:
-                        for i in range(r1 - r0):
-                            o[i] += wa * y[i]
+def _down_combine_kernel(qtype, int8):
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def down_combine(out, w, x, ids, wts, step, n_workers):
+        M = w.shape[1]
+        T, A, K = x.shape
+        xf = x.reshape(T * A, K)
+        xsum, xi = _prepare_x(xf, int8, qtype)
+        queue = new_queue((M + step - 1) // step, n_workers)
+        for worker in prange(n_workers):
             item = next_item(queue, worker)
+            while item >= 0:
+                r0, r1 = item * step, min(M, (item + 1) * step)
+                y = np.empty(r1 - r0, np.float32)
+                for t in range(T):
+                    o = out[t, r0:r1]
+                    for a in range(A):
+                        _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+                        wa = wts[t, a]
+                        if a == 0:
+                            for i in range(r1 - r0):
+                                o[i] = wa * y[i]
+                        else:
+                            for i in range(r1 - r0):
+                                o[i] += wa * y[i]
+                item = next_item(queue, worker)
+    return down_combine
+
+
+down_combine = entry(_down_combine_kernel, "out, w, x, ids, wts, qtype, int8, step, n_workers")

@@ -40,10 +40,11 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemm_unpack import group_size, has_m, panel_words, record_words, unpack
+from .gemm_unpack import HAS_M, PER16, panel_words, record_words, unpack
 from .quants import f32, stack_f32
 from .quants_int8 import _dot4_init
 from .simd import F32, I8, I32, I64, vec
+from .specialize import ConstantArgs, entry
 from .work_queue import new_queue, next_item
 
 NT = 8          # slots per group
@@ -308,38 +309,47 @@ def _panel_groups(G, HM, out, P, Xa, slot_o, g0, g1, r0, nr):
                 store_lanes(flat, orow * out.shape[1] + r0, acc, t, nr)
 
 
-@njit(cache=True, error_model="numpy")
-def _item(out, w, qtype, Xa, slot_o, g0, g1, r0, nr):
+def _group(qtype):
+    """gemm_unpack.group_size from Python (that one is inline-only: no cache, a compile a process)."""
+    return 16 if int(qtype) in PER16 else 32
+
+
+def _item_kernel(qtype):
     """One work item: unpack rows r0..r0 + nr - 1 of w [M, row_bytes], then the slot groups
     g0..g1 - 1 (a function of its own: the parallel loop's body stays small to compile)."""
-    G = group_size(qtype)
-    P = np.empty(Xa.shape[1] // x_words(G) * panel_words(G), np.uint32)
-    unpack(qtype, P, w, r0, nr)
-    if G == 32 and has_m(qtype):
-        _panel_groups(32, True, out, P, Xa, slot_o, g0, g1, r0, nr)
-    elif G == 32:
-        _panel_groups(32, False, out, P, Xa, slot_o, g0, g1, r0, nr)
-    elif has_m(qtype):
-        _panel_groups(16, True, out, P, Xa, slot_o, g0, g1, r0, nr)
-    else:
-        _panel_groups(16, False, out, P, Xa, slot_o, g0, g1, r0, nr)
+    G, HM = _group(qtype), qtype in HAS_M
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def item(out, w, Xa, slot_o, g0, g1, r0, nr):
+        P = np.empty(Xa.shape[1] // x_words(G) * panel_words(G), np.uint32)
+        unpack(qtype, P, w, r0, nr)
+        _panel_groups(G, HM, out, P, Xa, slot_o, g0, g1, r0, nr)
+    return item
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def gemm(out, w, qtype, Xa, slot_o, jobs, n_workers):
+_item = entry(_item_kernel, "out, w, qtype, Xa, slot_o, g0, g1, r0, nr")
+
+
+def _gemm_kernel(qtype):
     """out [N, M]: out[slot_o[s]] = dequant(w[e]) @ x of slot s, for the slots of each job
     (jobs [J, 3]: matrix e, first slot group, end group); w [E, M, row_bytes]. Items (job,
     panel) differ in cost (experts' token counts): shared out over n_workers by work_queue."""
-    M = w.shape[1]
-    n_panels = (M + ROWS - 1) // ROWS
-    queue = new_queue(jobs.shape[0] * n_panels, n_workers)
-    for worker in prange(n_workers):
-        item = next_item(queue, worker)
-        while item >= 0:
-            job, p = item // n_panels, item % n_panels
-            _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
-                  min(ROWS, M - p * ROWS))
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def gemm(out, w, Xa, slot_o, jobs, n_workers):
+        M = w.shape[1]
+        n_panels = (M + ROWS - 1) // ROWS
+        queue = new_queue(jobs.shape[0] * n_panels, n_workers)
+        for worker in prange(n_workers):
             item = next_item(queue, worker)
+            while item >= 0:
+                job, p = item // n_panels, item % n_panels
+                _item(out, w[jobs[job, 0]], qtype, Xa, slot_o, jobs[job, 1], jobs[job, 2], p * ROWS,
+                      min(ROWS, M - p * ROWS))
+                item = next_item(queue, worker)
+    return gemm
+
+
+gemm = entry(_gemm_kernel, "out, w, qtype, Xa, slot_o, jobs, n_workers")
 
 
 def _jobs(n_groups, n_panels, n_threads):
@@ -355,7 +365,7 @@ def mul_mat(out, w, x, qtype):
     T = x.shape[0]
     s = np.full((T + NT - 1) // NT * NT, -1, np.int64)
     s[:T] = np.arange(T)
-    Xa = prepare_x(x, s, group_size(qtype))
+    Xa = prepare_x(x, s, _group(qtype))
     n_threads = numba.get_num_threads()
     jobs = _jobs(s.shape[0] // NT, (w.shape[0] + ROWS - 1) // ROWS, n_threads)
     gemm(out, w[None], qtype, Xa, s, jobs, n_threads)
@@ -396,5 +406,5 @@ def mul_mat_id(out, w, x, ids, qtype, order, start, min_pairs):
     slot_x, slot_o, jobs = _expert_slots(ids, X, order, start, min_pairs)
     if jobs.shape[0] == 0:
         return
-    Xa = prepare_x(x.reshape(T * X, K), slot_x, group_size(qtype))
+    Xa = prepare_x(x.reshape(T * X, K), slot_x, _group(qtype))
     gemm(out.reshape(T * ids.shape[1], out.shape[2]), w, qtype, Xa, slot_o, jobs, numba.get_num_threads())

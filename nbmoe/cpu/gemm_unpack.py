@@ -37,6 +37,7 @@ from .quants_rtr import GROUP, Q4_1_R16, R16_TYPES, base_of
 from .quants_rtr_k import HEAD, M_AT, Q4_K_R16, REC, SC_AT
 from . import quants_rtr_xs as xs16
 from .simd import F32, I32, Rows, arg_data, group_record, load_at, vec
+from .specialize import ConstantArgs
 
 u32 = np.uint32
 LO, BIAS = 0x0F0F0F0F, 0x80808080
@@ -400,7 +401,7 @@ def _r16(qt, P, w, r0):
         unpack_r16(qt, P, w, r0 * w.shape[1], B, blk)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def unpack(qtype, P, w, r0, nr):
     """The panel P <- rows r0..r0 + nr - 1 of w [M, row_bytes] (nr <= 16), padded; repacked
     (R16) w: r0 a multiple of 16."""

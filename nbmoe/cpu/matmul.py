@@ -20,7 +20,9 @@ Three paths, chosen per call by the number of tokens T sharing a weight matrix:
       decoded to float32 (prange) and multiplied by numpy's matmul (OpenBLAS): the decode is
       paid once per tile, not once per token.
 `mul_mat_plain` (decode a row to float32, dot it) is the plain reference all are tested
-against. Kernels take qtype as an int and branch inside, so each compiles once for all types.
+against. Kernels are built per weight type (specialize.py): the qtype and int8 arguments
+must be the same for every call of a kernel from @njit code, and a cold start compiles only the
+types a model has.
 
 Repacked weights (quants_rtr, `-rtr`): Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_NL / IQ4_XS / MXFP4
 rewritten at load time into groups of 16 interleaved rows, with their own qtype ids
@@ -39,10 +41,11 @@ from numba import njit, prange
 from nbmoe import config
 
 from . import gemm_i8
+from .specialize import ConstantArgs, build, entry
 from .quants import TYPES, dequant_rows, dot_rows
 from .quants import Q4_1, Q5_1
 from .quants_int8 import HAS_VNNI, INT8_TYPES, dot_rows_i8, prepare_blocks, quantize_x, x_extra_words
-from .quants_rtr import (BASE, GROUP, R16_TYPES, base_of, block_biases, dequant_row_r16,
+from .quants_rtr import (BASE, GROUP, R16_TYPES, block_biases, dequant_row_r16,
                          dequant_rows_r16, dot_rows_r16, level_bias)
 from .quants_rtr_k import Q4_K_R16, prepare_xk
 from .quants_rtr_xs import IQ4_XS_R16
@@ -147,35 +150,42 @@ def int8_path(qtype, n_tokens):
 # quants_rtr_k / quants_rtr_xs.prepare_xk.
 # The unused ones are empty.
 
-@njit(cache=True, error_model="numpy")
-def _prepare_x(x, int8, qtype):
-    N, K = x.shape
-    B = K // 32
+def _prepare_x_kernel(int8, qtype):
+    # the type's facts as closure constants, so that Numba prunes the other types' branches
     repacked = qtype in R16_TYPES
-    qt = base_of(qtype) if repacked else qtype
-    xsum = np.zeros((N, 0 if int8 else B), np.float32)
-    xq = np.empty((N, K if int8 else 0), np.int8)
-    xd = np.empty((N, B if int8 else 0), np.float32)
-    xs = np.empty((N, B if int8 else 0), np.float32)
-    nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 else 0
-    xb = np.empty((N, nb), np.int32)
-    scales = qt == Q4_1 or qt == Q5_1 or qtype == Q4_K_R16 or qtype == IQ4_XS_R16
-    xds = np.empty((N, 2 * B if int8 and scales else 0), np.float32)
-    for n in range(N):
-        if int8:
-            quantize_x(xq[n], xd[n], xs[n], x[n])
-            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
-            if qtype == Q4_K_R16:
-                prepare_xk(xds[n], xd[n], xs[n])
-            elif qtype == IQ4_XS_R16:
-                prepare_xk_xs(xds[n], xd[n])
-            if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
-                block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
-        else:
-            for b in range(B):
-                for i in range(32):
-                    xsum[n, b] += x[n, b * 32 + i]
-    return xsum, (xq, xd, xs, xb, xds)
+    qt = BASE.get(qtype, qtype)
+    scales = int8 and (qt == Q4_1 or qt == Q5_1 or qtype == Q4_K_R16 or qtype == IQ4_XS_R16)
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def prepare_x(x):
+        N, K = x.shape
+        B = K // 32
+        xsum = np.zeros((N, 0 if int8 else B), np.float32)
+        xq = np.empty((N, K if int8 else 0), np.int8)
+        xd = np.empty((N, B if int8 else 0), np.float32)
+        xs = np.empty((N, B if int8 else 0), np.float32)
+        nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 else 0
+        xb = np.empty((N, nb), np.int32)
+        xds = np.empty((N, 2 * B if scales else 0), np.float32)
+        for n in range(N):
+            if int8:
+                quantize_x(xq[n], xd[n], xs[n], x[n])
+                prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
+                if qtype == Q4_K_R16:
+                    prepare_xk(xds[n], xd[n], xs[n])
+                elif qtype == IQ4_XS_R16:
+                    prepare_xk_xs(xds[n], xd[n])
+                if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
+                    block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
+            else:
+                for b in range(B):
+                    for i in range(32):
+                        xsum[n, b] += x[n, b * 32 + i]
+        return xsum, (xq, xd, xs, xb, xds)
+    return prepare_x
+
+
+_prepare_x = entry(_prepare_x_kernel, "x, int8, qtype")
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -251,19 +261,24 @@ def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=None):
 # holds the type dispatch (_dot_rows) costs tens of seconds of LLVM at a cold start, so one weight
 # goes through this kernel too (mat_vec) rather than a twin of its own.
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _products(outs, ws, x, qtype, int8, step, n_rows):
-    xsum, xi = _prepare_x(x, int8, qtype)
-    n0 = (n_rows[0] + step - 1) // step
-    n1 = (n_rows[1] + step - 1) // step
-    n2 = (n_rows[2] + step - 1) // step
-    for item in prange(n0 + n1 + n2):
-        j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
-        i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
-        w, out = ws[j], outs[j]
-        r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
-        for t in range(x.shape[0]):
-            _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+def _products_kernel(qtype, int8):
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def products(outs, ws, x, step, n_rows):
+        xsum, xi = _prepare_x(x, int8, qtype)
+        n0 = (n_rows[0] + step - 1) // step
+        n1 = (n_rows[1] + step - 1) // step
+        n2 = (n_rows[2] + step - 1) // step
+        for item in prange(n0 + n1 + n2):
+            j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
+            i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
+            w, out = ws[j], outs[j]
+            r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
+            for t in range(x.shape[0]):
+                _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+    return products
+
+
+_products = entry(_products_kernel, "outs, ws, x, qtype, int8, step, n_rows")
 
 
 @njit(cache=True, error_model="numpy")
@@ -274,42 +289,62 @@ def _one_weight(M):
     return rows
 
 
-@njit(cache=True, error_model="numpy")
-def _mul_mat_vec_seq(out, w, x, qtype, int8):
+def _mul_mat_vec_seq_kernel(qtype, int8):
     """mat_vec's product as one work item on the calling thread."""
-    xsum, xi = _prepare_x(x, int8, qtype)
-    for t in range(x.shape[0]):
-        _dot_rows(qtype, out[t], w, x, t, xsum, xi, int8)
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def mul_mat_vec_seq(out, w, x):
+        xsum, xi = _prepare_x(x, int8, qtype)
+        for t in range(x.shape[0]):
+            _dot_rows(qtype, out[t], w, x, t, xsum, xi, int8)
+    return mul_mat_vec_seq
 
 
-@njit(cache=True, error_model="numpy")
-def mat_vec(out, w, x, qtype, int8, step):
+_mul_mat_vec_seq = entry(_mul_mat_vec_seq_kernel, "out, w, x, qtype, int8")
+
+
+def _mat_vec_kernel(qtype, int8):
     """out [T, M] = x @ dequant(w)^T in work items of `step` rows, in parallel; a weight
     that is one work item (item_rows) without a parallel region."""
-    if step >= w.shape[0]:
-        _mul_mat_vec_seq(out, w, x, qtype, int8)
-    else:
-        _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def mat_vec(out, w, x, step):
+        if step >= w.shape[0]:
+            _mul_mat_vec_seq(out, w, x, qtype, int8)
+        else:
+            _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
+    return mat_vec
+
+
+mat_vec = entry(_mat_vec_kernel, "out, w, x, qtype, int8, step")
 
 
 # ---------------------------------------------------------------- dequantize rows
 # out[R, K] f32 = dequant(w[R, row_bytes]), parallel over runs of ITEM_ROWS rows: the BLAS
 # path's tile decoder and dequantize(). get_rows: out[t] = dequant(w[ids[t]]), one t at a time.
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _dequant_rows(out, w, qtype):
-    M = w.shape[0]
-    for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
-        r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
-        _decode_rows(qtype, out[r0:r1], w[r0:r1])
+def _dequant_rows_kernel(qtype):
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def dequant_rows(out, w):
+        M = w.shape[0]
+        for item in prange((M + ITEM_ROWS - 1) // ITEM_ROWS):
+            r0, r1 = item * ITEM_ROWS, min(M, (item + 1) * ITEM_ROWS)
+            _decode_rows(qtype, out[r0:r1], w[r0:r1])
+    return dequant_rows
 
 
-@njit(cache=True, error_model="numpy")
-def _get_rows(out, w, ids, qtype):
+_dequant_rows = entry(_dequant_rows_kernel, "out, w, qtype")
+
+
+def _get_rows_kernel(qtype):
     # serial: a prompt's rows decode in a sliver of its time, a generated token's row in less
     # than a parallel region's fork and join; and it compiles faster
-    for t in range(ids.shape[0]):
-        _decode_row(qtype, out[t:t + 1], w, ids[t])
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def get_rows(out, w, ids):
+        for t in range(ids.shape[0]):
+            _decode_row(qtype, out[t:t + 1], w, ids[t])
+    return get_rows
+
+
+_get_rows = entry(_get_rows_kernel, "out, w, ids, qtype")
 
 
 def _mul_mat_blas(out, w, x, qtype):
@@ -328,12 +363,24 @@ def _mul_mat_blas(out, w, x, qtype):
         out[:, r0:r1] = x @ tile[:r1 - r0].T
 
 
+def _mat_vec_step(out, w, x, qtype):
+    """mat_vec(out, w, x, ...) as a call of the one of its two kernels that the work items
+    need (a cold start compiles that one alone)."""
+    qtype = int(qtype)
+    int8, step = _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype)
+    if step >= w.shape[0]:
+        seq = build(_mul_mat_vec_seq_kernel, (qtype, int8))
+        return lambda: seq(out, w, x)
+    products, outs, ws, rows = build(_products_kernel, (qtype, int8)), (out,) * 3, (w,) * 3, _one_weight(w.shape[0])
+    return lambda: products(outs, ws, x, step, rows)
+
+
 def mul_mat(out, w, x, qtype):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T."""
     if x.shape[0] >= GEMM_MIN_T and batched_int8(qtype):
         gemm_i8.mul_mat(out, w, x, qtype)
     elif x.shape[0] < BLAS_MIN_T:
-        mat_vec(out, w, x, qtype, _int8(qtype), item_rows(w.shape[0], w.shape[1], x.shape[0], qtype))
+        _mat_vec_step(out, w, x, qtype)()
     else:
         _mul_mat_blas(out, w, x, qtype)
 
@@ -342,9 +389,8 @@ def mul_mat_step(out, w, x, qtype):
     """mul_mat(out, w, x, qtype) as a plan's step: for one token the path and the work items
     are chosen once, at binding (as the fused groups' are): less Python per call."""
     if x.shape[0] == 1:
-        int8, step = _int8(int(qtype)), item_rows(w.shape[0], w.shape[1], 1, qtype)
-        step_fn = lambda: mat_vec(out, w, x, qtype, int8, step)  # noqa: E731
-        step_fn.regions = int(step < w.shape[0])    # parallel regions (tools/tg_overhead.py)
+        step_fn = _mat_vec_step(out, w, x, qtype)
+        step_fn.regions = int(item_rows(w.shape[0], w.shape[1], 1, qtype) < w.shape[0])    # (tools/tg_overhead.py)
         return step_fn
     return lambda: mul_mat(out, w, x, qtype)
 
@@ -390,39 +436,45 @@ def _glu_rows(out, g, u, act):
         _geglu_row(out, g, u)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _mul_mat_id_vec(out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_workers):
-    E, M = w.shape[0], w.shape[1]
-    T, X, K = x.shape
-    A = ids.shape[1]
-    order, start = _group_by_expert(ids, E)
-    xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
-    xsum, xi = _prepare_x(xf, int8, qtype)
-    n_used = 0
-    used = np.empty(E, np.int64)
-    for e in range(E):
-        if 0 < start[e + 1] - start[e] < blas_min:
-            used[n_used] = e
-            n_used += 1
-    n_runs = (M + step - 1) // step
-    queue = new_queue(n_used * n_runs, n_workers)
-    for worker in prange(n_workers):
-        item = next_item(queue, worker)
-        while item >= 0:
-            e = used[item // n_runs]
-            r0 = item % n_runs * step
-            r1 = min(M, r0 + step)
-            g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-            u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-            for p in range(start[e], start[e + 1]):
-                t, a = order[p] // A, order[p] % A
-                n = t * X + (a if X == A else 0)
-                o = out[t, a, r0:r1]
-                _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
-                if act != ACT_NONE:
-                    _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
-                    _glu_rows(o, g, u, act)
+def _mul_mat_id_vec_kernel(qtype, int8):
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def mul_mat_id_vec(out, w, x, ids, blas_min, step, wu, act, n_workers):
+        E, M = w.shape[0], w.shape[1]
+        T, X, K = x.shape
+        A = ids.shape[1]
+        order, start = _group_by_expert(ids, E)
+        xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
+        xsum, xi = _prepare_x(xf, int8, qtype)
+        n_used = 0
+        used = np.empty(E, np.int64)
+        for e in range(E):
+            if 0 < start[e + 1] - start[e] < blas_min:
+                used[n_used] = e
+                n_used += 1
+        n_runs = (M + step - 1) // step
+        queue = new_queue(n_used * n_runs, n_workers)
+        for worker in prange(n_workers):
             item = next_item(queue, worker)
+            while item >= 0:
+                e = used[item // n_runs]
+                r0 = item % n_runs * step
+                r1 = min(M, r0 + step)
+                g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+                u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+                for p in range(start[e], start[e + 1]):
+                    t, a = order[p] // A, order[p] % A
+                    n = t * X + (a if X == A else 0)
+                    o = out[t, a, r0:r1]
+                    _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
+                    if act != ACT_NONE:
+                        _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+                        _glu_rows(o, g, u, act)
+                item = next_item(queue, worker)
+    return mul_mat_id_vec
+
+
+_mul_mat_id_vec = entry(_mul_mat_id_vec_kernel,
+                        "out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_workers")
 
 
 def mul_mat_id(out, w, x, ids, qtype):
@@ -431,7 +483,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
         step = expert_item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
-        _mul_mat_id_vec(out, w, x, ids, qtype, ids.size + 1, _int8(qtype), step, w, ACT_NONE,
+        _mul_mat_id_vec(out, w, x, ids, int(qtype), ids.size + 1, _int8(qtype), step, w, ACT_NONE,
                         numba.get_num_threads())
         return
     T, X, K = x.shape

@@ -45,6 +45,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .half import bf16_to_f32, f16_to_f32
+from .specialize import ConstantArgs
 
 F32 = int(GGMLQuantizationType.F32)
 F16 = int(GGMLQuantizationType.F16)
@@ -464,9 +465,9 @@ def dot_rows_q5_1(out, w, x, xsum):
 # ---------------------------------------------------------------- dispatch on qtype
 # One branch per type, taken once per call on a run of rows (a call per row would cost an
 # atomic refcount pair and ~20 argument words each: as much as decoding a 576-value row).
-# qtype is a plain int, so every driver compiles once for all types.
+# A constant qtype compiles that type's branch alone (specialize.ConstantArgs), a run-time one every branch.
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_rows(qtype, out, w):
     """out [R, K] float32 <- the values of weight rows w [R, row_bytes]."""
     if qtype == Q4_0:
@@ -493,7 +494,7 @@ def dequant_rows(qtype, out, w):
         quants_iq4.dequant_rows_iq4(qtype, out, w)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows(qtype, out, w, x, xsum):
     """out [R] <- dequant(w [R, row_bytes]) @ x [K]; xsum [K // 32] holds x's block sums."""
     if qtype == Q4_0:

@@ -45,6 +45,7 @@ from numba.extending import intrinsic
 from . import quants_iq4, quants_iq_i8, quants_k_i8, quants_q4x
 from .quants_k import Q4_K
 from .simd import HAS_VNNI, PREFETCH, prefetch_lines
+from .specialize import ConstantArgs
 from .quants import (FM, IQ4_TYPES, IQ_TYPES, K_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, f32, lanes16, stream_rows,
                      sum16)
 
@@ -241,7 +242,7 @@ def x_extra_words(qt, K):
     return K // 4 if lane_bias(qt) else 0
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def prepare_blocks(xb, xds, xq, xd, xs, qtype):
     """The x extras of acc_blocks: xb [K / 4] int32 = -bias * (sum of xq[4k:4k + 4]) with the
     bias of the stored codes (Q4_0: 8, Q8_0: 128), where xb is longer followed by [B] block
@@ -253,7 +254,7 @@ def prepare_blocks(xb, xds, xq, xd, xs, qtype):
         bias = np.int32(lane_bias(qtype))
         K, B = xq.shape[0], xd.shape[0]
         n = x_extra_words(qtype, K)
-        if q4x(qtype):
+        if qtype == Q4_0 and q4x(qtype):      # (qtype first: a constant one prunes the branch)
             quants_q4x.prepare_q4x(xb[:n].view(np.uint8), xq, xd, B * 18)
         else:
             for k in range(n):
@@ -348,11 +349,11 @@ def dot_rows_q5_1(out, w, xq, xd, xb, xds):   # d:f16 m:f16 qh:4 qs:16
     dot_rows_b32(Q5_1, out, w, xq, xd, xb, xds)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_i8(qtype, out, w, xq, xd, xs, xb, xds):
     """out [R] <- dequant(w [R, row_bytes]) @ x, x given as quantize_x's (xq, xd, xs) and
     prepare_blocks' (xb, xds)."""
-    if q4x(qtype):
+    if qtype == Q4_0 and q4x(qtype):          # (qtype first: a constant one prunes the branch)
         quants_q4x.dot_rows_q4x(out, w, xb)
     elif qtype == Q4_0:
         dot_rows_q4_0(out, w, xq, xd, xb, xds)

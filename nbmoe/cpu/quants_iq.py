@@ -46,6 +46,7 @@ from numba import njit
 
 from .half import f16_to_f32
 from .quants import FM, IQ_TYPES, block32, f32, lanes16, load_f16, load_u32, sum16
+from .specialize import ConstantArgs
 
 IQ2_XXS = int(GGMLQuantizationType.IQ2_XXS)
 IQ2_XS = int(GGMLQuantizationType.IQ2_XS)
@@ -400,7 +401,7 @@ def dot_rows_iq1_m(out, w, x, xsum):
 
 # ---------------------------------------------------------------- dispatch (quants.py calls these)
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_rows_iq(qtype, out, w):
     if qtype == IQ2_XXS:
         dequant_rows_iq2_xxs(out, w)
@@ -418,7 +419,7 @@ def dequant_rows_iq(qtype, out, w):
         dequant_rows_iq1_m(out, w)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_iq(qtype, out, w, x, xsum):
     if qtype == IQ2_XXS:
         dot_rows_iq2_xxs(out, w, x, xsum)

@@ -29,6 +29,7 @@ from .quants import FM, block32, f32, lanes16, load_f16, rows_in_streams, sum16,
 
 u64 = np.uint64
 from .simd import F32, HAS_VBMI, I16, I32, acc_intrinsic, const, copy16, vec
+from .specialize import ConstantArgs
 
 IQ4_NL = int(GGMLQuantizationType.IQ4_NL)
 IQ4_XS = int(GGMLQuantizationType.IQ4_XS)
@@ -322,7 +323,7 @@ def dot_rows_iq4_xs_i8(out, w, xq, xd, xs, xb):
 
 # ---------------------------------------------------------------- dispatch (from quants.py, quants_int8.py)
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_rows_iq4(qtype, out, w):
     if qtype == IQ4_XS:
         dequant_rows_iq4_xs(out, w)
@@ -332,7 +333,7 @@ def dequant_rows_iq4(qtype, out, w):
         dequant_rows_iq4_nl(out, w)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_iq4(qtype, out, w, x, xsum):
     if qtype == IQ4_XS:
         dot_rows_iq4_xs(out, w, x, xsum)
@@ -342,7 +343,7 @@ def dot_rows_iq4(qtype, out, w, x, xsum):
         dot_rows_iq4_nl(out, w, x, xsum)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_iq4_i8(qtype, out, w, xq, xd, xs, xb):
     """xb: prepare_quads' record."""
     if qtype == IQ4_XS:

@@ -37,6 +37,7 @@ from gguf import GGMLQuantizationType
 from numba import njit
 
 from .quants import FM, block32, f32, lanes16, load_f16, sum16, u8
+from .specialize import ConstantArgs
 
 Q2_K = int(GGMLQuantizationType.Q2_K)
 Q3_K = int(GGMLQuantizationType.Q3_K)
@@ -285,7 +286,7 @@ def dot_rows_q6_k(out, w, x, xsum):
 
 # ---------------------------------------------------------------- dispatch (from quants.py, quants_int8.py)
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_rows_k(qtype, out, w):
     if qtype == Q4_K:
         dequant_rows_q4_k(out, w)
@@ -299,7 +300,7 @@ def dequant_rows_k(qtype, out, w):
         dequant_rows_q2_k(out, w)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_k(qtype, out, w, x, xsum):
     if qtype == Q4_K:
         dot_rows_q4_k(out, w, x, xsum)

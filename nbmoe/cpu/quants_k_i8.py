@@ -34,6 +34,7 @@ from numba import carray, njit
 from .quants import FM, f32, rows_in_streams, stack_f32
 from .quants_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .simd import F32, I8, I32, acc_intrinsic, const, copy16, vec
+from .specialize import ConstantArgs
 
 u64 = np.uint64
 
@@ -247,7 +248,7 @@ def dot_rows_q6_k_i8(out, w, xq, xd, xs):
 
 # ---------------------------------------------------------------- dispatch (from quants_int8.py)
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_k_i8(qtype, out, w, xq, xd, xs, xb):
     """xb: prepare_blocks' x extras (Q4_K: prepare_q4_k's xk as int32 words)."""
     if qtype == Q4_K:

@@ -64,6 +64,7 @@ from .quants_k import Q4_K
 from .quants_rtr_k import Q4_K_R16, dequant_rows_q4_k_r16, dot_rows_q4_k_r16
 from .quants_rtr_xs import IQ4_XS_R16, dequant_rows_iq4_xs_r16, dot_rows_iq4_xs_r16
 from .simd import PREFETCH, load_at, lut, prefetch_lines, splat
+from .specialize import ConstantArgs
 
 GROUP = 16
 u64 = np.uint64
@@ -249,7 +250,7 @@ def decode_groups(qt, out, w):
     for g in range(G):
         for b in range(B):
             decode_group_block(qt, out[g * GROUP:(g + 1) * GROUP], out.shape[1], w, g * GROUP * rb, B, b)
-    dequant_rows(np.int64(qt), out[G * GROUP:], w[G * GROUP:])   # run-time qt: see dot_groups
+    dequant_rows(qt, out[G * GROUP:], w[G * GROUP:])   # the tail keeps the GGUF layout
 
 
 @njit(cache=True, error_model="numpy")
@@ -267,7 +268,7 @@ def _decode_q8_0(out, w):
     decode_groups(Q8_0, out, w)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_rows_r16(qtype, out, w):
     """out [R, K] <- repacked rows w [R, row_bytes] whose first row starts a group: the BLAS
     path's decoder (IR, a 64-byte vector at a time); dequant_row_r16 is the plain loop."""
@@ -286,7 +287,7 @@ def dequant_rows_r16(qtype, out, w):
             dequant_row_r16(qtype, out[r], w, r)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dequant_row_r16(qtype, out, w, row):
     """out [K] <- row `row` of a whole repacked matrix w [M, row_bytes] (get_rows)."""
     qt = base_of(qtype)
@@ -447,10 +448,8 @@ def dot_groups(qt, out, w, xq, xd, xs, xb, xds):
         for b in range(B):
             acc_group(qt, acc, w, g * gb, B, xq, xd, xs, xbb, b)
         store_lanes(out, g * GROUP, acc)
-    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
-        # qt as a run-time int: the tail shares the all-type kernel compiled for the
-        # plain rows (a constant qt compiles a copy of the whole type dispatch per type)
-        dot_rows_i8(np.int64(qt), out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xds)
+    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout (constant qt: its branch alone)
+        dot_rows_i8(qt, out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xds)
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
@@ -478,7 +477,7 @@ def dot_rows_mxfp4_r16(out, w, xq, xd, xs, xb, xds):
     dot_groups(MXFP4, out, w, xq, xd, xs, xb, xds)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def dot_rows_r16(qtype, out, w, xq, xd, xs, xb, xds):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x."""
     if qtype == Q4_0_R16:

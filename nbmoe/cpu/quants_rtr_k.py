@@ -246,5 +246,5 @@ def dot_rows_q4_k_r16(out, w, xq, xd, xs, xb, xk):
     """out [R] <- repacked rows w [R, row_bytes] (first row starts a group) @ x; xk from prepare_xk."""
     SB, G = w.shape[1] // SIZE, w.shape[0] // GROUP
     groups_in_streams(acc_record, SB, out, w, G, (xq, xk))   # groups of GROUP = 16 rows
-    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout (run-time qt: see quants_rtr)
-        dot_rows_i8(np.int64(Q4_K), out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xk)
+    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
+        dot_rows_i8(Q4_K, out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xk)

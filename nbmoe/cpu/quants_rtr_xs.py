@@ -214,5 +214,5 @@ def dot_rows_iq4_xs_r16(out, w, xq, xd, xs, xb, xk):
     SB, G = w.shape[1] // SIZE, w.shape[0] // GROUP
     xbb = xb[xb.shape[0] - 8 * SB:]
     groups_in_streams(acc_record, SB, out, w, G, (xq, xk, xbb))   # groups of GROUP = 16 rows
-    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout (run-time qt: see quants_rtr)
-        dot_rows_i8(np.int64(IQ4_XS), out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xk)
+    if w.shape[0] > G * GROUP:   # the tail keeps the GGUF layout
+        dot_rows_i8(IQ4_XS, out[G * GROUP:], w[G * GROUP:], xq, xd, xs, xb, xk)
