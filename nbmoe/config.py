@@ -35,6 +35,10 @@ INT8_DOT = env_flag("NBMOE_INT8_DOT", True)
 # NBMOE_GEMM_I8=0: batched products (prompts) by dequantize + BLAS (exact), not gemm_i8's 8-bit x.
 GEMM_I8 = env_flag("NBMOE_GEMM_I8", True)
 
+# NBMOE_COMPILE_AHEAD=0: a cold start compiles in one process (else a second one compiles the
+# prompt path, or a bench's generation, beside it: nbmoe/compiling.py).
+COMPILE_AHEAD = env_flag("NBMOE_COMPILE_AHEAD", True)
+
 # ---- Threads
 # OMP_WAIT_POLICY / GOMP_SPINCOUNT: unless either is set, nbmoe sets OMP_WAIT_POLICY to this, so an
 # idle thread sleeps at once (libgomp's default polls ~ms, stalling a busy machine: docs/performance.md).

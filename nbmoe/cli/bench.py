@@ -144,6 +144,7 @@ def main(argv=None):
     with friendly_errors():
         import numba
 
+        from nbmoe.compiling import CompileProgress, wait_ahead
         from nbmoe.cpu.membw import read_bandwidth
         from nbmoe.engine import default_threads, load
         path = resolve_model(args.model)
@@ -170,7 +171,12 @@ def main(argv=None):
                 if not args.no_bandwidth and threads not in bw:
                     bw[threads] = read_bandwidth()
                 for kind, n in tests(args):
-                    with err_console.status(f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads"):
+                    # a cold start: a second process compiles generation's kernels during pp
+                    ahead = [1] if kind == "pp" and any(k == "tg" for k, _ in tests(args)) else []
+                    with CompileProgress(err_console, f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads",
+                                         llm, f"bench {kind}", ahead) as progress:
+                        if kind == "tg":
+                            wait_ahead(progress)
                         times = run_test(llm, kind, n, args, rng)
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
                                          bw.get(threads), ngl, ub))

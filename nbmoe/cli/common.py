@@ -94,9 +94,13 @@ def friendly_errors():
 
 
 def warm_up(llm):
-    """Compile (or load from the on-disk cache) the kernels of both paths, single token and
-    batched, before the user waits on them; the cache is left empty."""
-    with err_console.status("compiling kernels (the first start only; later starts load them from cache)"):
-        llm.eval([llm.tokenizer.bos_id or 0] * 2)
-        llm.eval([llm.tokenizer.bos_id or 0])
-        llm.reset()
+    """Compile (or load from the on-disk cache) the kernels of the paths a chat takes, a few
+    tokens, one token and a prompt's batch (16 different tokens: its experts see many tokens
+    and few), before the user waits on them, with a progress bar while compiling; the cache
+    is left empty."""
+    from nbmoe.cli.compile import compile_batches
+    from nbmoe.compiling import CompileProgress, wait_ahead
+    with CompileProgress(err_console, "warming up", llm, "chat", ahead=[16, 2]) as progress:
+        compile_batches(llm, [1])
+        wait_ahead(progress)        # a cold start: a second process compiled the prompts' paths
+        compile_batches(llm, [2, 16])
