@@ -50,7 +50,7 @@ class LLM:
         self.file = GGUFFile(self.path)
         meta = self.file.meta
         emb = self.file.tensors.get("token_embd.weight")
-        self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None)
+        self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None, self.file.tensors)
         check_tensors(self.cfg, self.file.tensors, cpu_matmul.is_supported)
         load_order.preload()     # callees before their callers, as when they compiled
         # A tied output reads the embedding matrix; under its own name it can be placed
@@ -115,6 +115,8 @@ class LLM:
         layers = {}
         moe = self.cfg.is_moe and not self.cfg.flags.post_norms   # (model.moe_ffn)
         for il in range(self.cfg.n_layer if moe else 0):
+            if not self.cfg.is_moe_layer(il):
+                continue
             exps = [f"blk.{il}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
             router = place(f"blk.{il}.ffn_gate_inp.weight")
             if router != "CPU" and all(place(e) == "CPU" for e in exps):

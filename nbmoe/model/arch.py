@@ -1,33 +1,66 @@
-"""Architectures as data: one frozen config per model, filled from GGUF keys.
+"""Architectures as data: a family is a row of ArchFlags, a model is a ModelConfig read from GGUF keys.
 
-An architecture is a set of flags read by the one shared forward pass (forward.py) and the
-float64 reference (reference.py); adding one means adding a row to ARCHITECTURES.
+The one forward pass (forward.py) and the float64 reference (reference.py) read only these
+fields; adding a family means adding a row to ARCHITECTURES (and, for a new kind of math, a
+field here, a branch in both passes and a kernel). Optional tensors (biases, sinks, the
+selection bias) are found in the file: a row says which ones a family may have.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from nbmoe.errors import NbmoeError
+
+GLU_KINDS = ("silu", "gelu", "swiglu_oai")      # act(gate) * up; swiglu_oai: gpt-oss's clamped form
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+GATINGS = ("softmax", "sigmoid", "softmax_topk")  # softmax_topk: softmax over the chosen k logits
+GGUF_GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_topk"}    # {arch}.expert_gating_func
+
+# Per-layer tensors a family may or may not have, by role (the name after "blk.N.").
+OPTIONAL_ROLES = (
+    "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
+    "attn_q_norm.weight", "attn_k_norm.weight",
+    "attn_sinks.weight",                              # per-head logit joining each softmax
+    "ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias",
+    "exp_probs_b.bias",                               # added to the router's scores to choose only
+    "ffn_gate_inp_shexp.weight",                      # sigmoid gate of the shared expert
+)
 
 
 @dataclass(frozen=True)
 class ArchFlags:
     rope_neox: bool             # rotate pairs (i, i + n_rot/2) instead of (2i, 2i+1)
-    qk_norm: bool               # RMS-norm each q and k head before RoPE (qwen3, gemma3)
-    moe_norm_topk: bool         # renormalise the top-k router weights to sum to 1
-    ffn_act: str = "silu"       # gate activation of the GLU feed-forward: silu | gelu
+    qk_norm: bool               # RMS-norm each q and k head before RoPE (required; else if present)
+    moe_norm_topk: bool         # renormalise the top-k router weights (default of expert_weights_norm)
+    glu: str = "silu"           # GLU_KINDS
+    gating: str = "softmax"     # GATINGS (default of expert_gating_func)
     post_norms: bool = False    # extra RMS norms after attention and after the FFN (gemma3)
     embed_scale: bool = False   # multiply embeddings by sqrt(n_embd) (gemma)
     swa_pattern: int = 0        # every swa_pattern-th layer is global, the others use the
-                                # sliding window (gemma3: 5 local, 1 global)
+                                # sliding window (gemma3: 5 local, 1 global; gpt-oss: alternate)
     rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (0 = same as global)
+    ffn_norm: str = "ffn_norm"  # the FFN's pre-norm tensor role (gpt-oss: post_attention_norm)
+    optional: tuple = ()        # OPTIONAL_ROLES this family may have
+    skip_nextn: bool = False    # the last nextn_predict_layers blocks are a draft head: not run
+
+    def __post_init__(self):
+        assert self.glu in GLU_KINDS and self.gating in GATINGS
+        assert set(self.optional) <= set(OPTIONAL_ROLES)
 
 
+_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
 ARCHITECTURES = {
     "llama": ArchFlags(rope_neox=False, qk_norm=False, moe_norm_topk=True),
     "qwen3": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=True),
     "qwen3moe": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=True),
-    "gemma3": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=False, ffn_act="gelu",
+    "gemma3": ArchFlags(rope_neox=True, qk_norm=True, moe_norm_topk=False, glu="gelu",
                         post_norms=True, embed_scale=True, swa_pattern=6, rope_base_swa=10000.0),
+    "gpt-oss": ArchFlags(rope_neox=True, qk_norm=False, moe_norm_topk=False, glu="swiglu_oai",
+                         gating="softmax_topk", swa_pattern=2, ffn_norm="post_attention_norm",
+                         optional=_BIASES + ("attn_sinks.weight", "ffn_gate_inp.bias",
+                                             "ffn_gate_exps.bias", "ffn_up_exps.bias",
+                                             "ffn_down_exps.bias")),
 }
 
 
@@ -44,18 +77,37 @@ class ModelConfig:
     n_vocab: int
     n_ctx_train: int
     rope_base: float
-    rope_scale: float           # positions are multiplied by this (1 / linear scaling factor)
-    n_rot: int                  # rotated dims per head
+    rope_scale: float           # positions are multiplied by this (1 / the scaling factor)
+    n_rot: int                  # rotated dims per head (partial RoPE: fewer than head_dim)
     norm_eps: float
     n_expert: int = 0           # E (0 = dense)
     n_expert_used: int = 0      # A
     n_ff_exp: int = 0           # F, width of one expert
     sliding_window: int = 0     # 0 = every layer global
+    swa_layers: tuple = ()      # per-layer sliding-window flags from the file (else swa_pattern)
     moe_norm_topk: bool = True
+    gating: str = "softmax"     # GATINGS
+    routed_scale: float = 1.0   # the chosen experts' weights are multiplied by this
+    n_group: int = 0            # experts in n_group groups: choose within the topk_group best
+    topk_group: int = 0         #   groups (a group's score: the sum of its 2 best)
+    n_leading_dense: int = 0    # the first layers have a dense FFN instead of experts
+    n_shared_expert: int = 0    # shared experts (one GLU of width n_ff_shexp) beside the routed ones
+    n_ff_shexp: int = 0
+    yarn: tuple = ()            # (ext_factor, n_ctx_orig, beta_fast, beta_slow): YaRN RoPE
+    rope_mscale: float = 1.0    # cos and sin are multiplied by this (YaRN's attention factor)
+    present: frozenset = field(default_factory=frozenset)   # OPTIONAL_ROLES in the file
 
     @property
     def is_moe(self):
         return self.n_expert > 0
+
+    def is_moe_layer(self, il):
+        return self.n_expert > 0 and il >= self.n_leading_dense
+
+    def has(self, role):
+        """Does every layer that has this part carry the optional tensor `role`?"""
+        return role in self.present or (self.flags.qk_norm and role in ("attn_q_norm.weight",
+                                                                          "attn_k_norm.weight"))
 
     @property
     def attn_scale(self):
@@ -63,18 +115,40 @@ class ModelConfig:
 
     def is_swa(self, il):
         """Does layer il attend through a sliding window?"""
+        if not self.sliding_window:
+            return False
+        if self.swa_layers:
+            return bool(self.swa_layers[il])
         p = self.flags.swa_pattern
-        return bool(p and self.sliding_window and il % p < p - 1)
+        return bool(p and il % p < p - 1)
 
     def layer_window(self, il):
         """Sliding-window size of layer il's attention (0 = sees the whole context)."""
         return self.sliding_window if self.is_swa(il) else 0
 
     def layer_rope(self, il):
-        """(base, position scale) of layer il's RoPE: local layers have their own base."""
+        """(base, position scale) of layer il's RoPE: local layers may have their own base."""
         if self.is_swa(il) and self.flags.rope_base_swa:
             return self.flags.rope_base_swa, 1.0
         return self.rope_base, self.rope_scale
+
+    def rope_freqs(self, il):
+        """Layer il's angle per position of each rotated pair i < n_rot / 2 (float64): base^(-2i/n_rot),
+        times the position scale; with YaRN, the scaled and unscaled angles are mixed by a ramp
+        over i, which keeps high-frequency pairs unscaled."""
+        base, scale = self.layer_rope(il)
+        theta = base ** (-np.arange(0, self.n_rot, 2, dtype=np.float64) / self.n_rot)
+        if not self.yarn or scale == 1.0:
+            return theta * scale
+        ext, n_ctx_orig, beta_fast, beta_slow = self.yarn
+
+        def corr_dim(n_turns):       # the pair that turns n_turns times over n_ctx_orig positions
+            return self.n_rot * math.log(n_ctx_orig / (n_turns * 2 * math.pi)) / (2 * math.log(base))
+        lo = max(0.0, math.floor(corr_dim(beta_fast)))
+        hi = min(self.n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+        i = np.arange(self.n_rot // 2, dtype=np.float64)
+        mix = (1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)) * ext
+        return theta * scale * (1 - mix) + theta * mix
 
 
 def _get(meta, key, default=None, required=True):
@@ -85,8 +159,15 @@ def _get(meta, key, default=None, required=True):
     return default
 
 
-def config_from_meta(meta, n_vocab_tensor=None):
-    """Build the ModelConfig of a GGUF from its metadata dict."""
+def _choice(meta, key, value, allowed):
+    if value not in allowed:
+        raise NbmoeError(f"unsupported {key} = {value!r}; nbmoe runs {', '.join(map(str, allowed))}")
+    return value
+
+
+def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
+    """Build the ModelConfig of a GGUF from its metadata dict (and tensor names, for the
+    optional tensors)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise NbmoeError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -96,12 +177,32 @@ def config_from_meta(meta, n_vocab_tensor=None):
     n_head = int(_get(meta, a + "attention.head_count"))
     head_dim = int(meta.get(a + "attention.key_length", n_embd // n_head))
     n_vocab = meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or n_vocab_tensor
-    scaling = meta.get(a + "rope.scaling.type", "none")
+    n_layer = int(_get(meta, a + "block_count"))
+    if flags.skip_nextn:
+        n_layer -= int(meta.get(a + "nextn_predict_layers", 0))
+    scaling = _choice(meta, a + "rope.scaling.type", meta.get(a + "rope.scaling.type", "none") or "none",
+                      ("none", "linear", "yarn"))
     factor = float(meta.get(a + "rope.scaling.factor", 1.0) or 1.0)
+    yarn, mscale = (), float(meta.get(a + "rope.scaling.attn_factor", 1.0))
+    if scaling == "yarn" and factor > 1.0:
+        yarn = (float(meta.get(a + "rope.scaling.yarn_ext_factor", 1.0)),
+                float(_get(meta, a + "rope.scaling.original_context_length")),
+                float(meta.get(a + "rope.scaling.yarn_beta_fast", 32.0)),
+                float(meta.get(a + "rope.scaling.yarn_beta_slow", 1.0)))
+        if yarn[0]:
+            mscale *= 1.0 + 0.1 * math.log(factor)
     n_expert = int(meta.get(a + "expert_count", 0))
+    gating = meta.get(a + "expert_gating_func")
+    gating = (flags.gating if gating is None else
+              _choice(meta, a + "expert_gating_func", GGUF_GATING.get(int(gating), int(gating)), GATINGS))
+    n_ff_exp = int(meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0)))
+    n_shared = int(meta.get(a + "expert_shared_count", 0))
+    swa_layers = meta.get(a + "attention.sliding_window_pattern")
+    swa_layers = tuple(bool(v) for v in swa_layers) if isinstance(swa_layers, (list, tuple)) else ()
+    roles = {n.split(".", 2)[2] for n in tensor_names if n.startswith("blk.") and n.count(".") >= 2}
     return ModelConfig(
         arch=arch, flags=flags,
-        n_layer=int(_get(meta, a + "block_count")),
+        n_layer=n_layer,
         n_embd=n_embd, n_head=n_head,
         n_head_kv=int(meta.get(a + "attention.head_count_kv", n_head)),
         head_dim=head_dim,
@@ -109,12 +210,23 @@ def config_from_meta(meta, n_vocab_tensor=None):
         n_vocab=int(n_vocab),
         n_ctx_train=int(meta.get(a + "context_length", 2048)),
         rope_base=float(meta.get(a + "rope.freq_base", 10000.0)),
-        rope_scale=1.0 / factor if scaling == "linear" else 1.0,
+        rope_scale=1.0 / factor if scaling in ("linear", "yarn") else 1.0,
         n_rot=int(meta.get(a + "rope.dimension_count", head_dim)),
         norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
         n_expert=n_expert,
         n_expert_used=int(meta.get(a + "expert_used_count", 0)),
-        n_ff_exp=int(meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0))),
+        n_ff_exp=n_ff_exp,
         sliding_window=int(meta.get(a + "attention.sliding_window", 0)),
+        swa_layers=swa_layers,
         moe_norm_topk=bool(meta.get(a + "expert_weights_norm", flags.moe_norm_topk)),
+        gating=gating,
+        routed_scale=float(meta.get(a + "expert_weights_scale", 0.0) or 1.0),
+        n_group=int(meta.get(a + "expert_group_count", 0)),
+        topk_group=int(meta.get(a + "expert_group_used_count", 0)),
+        n_leading_dense=int(meta.get(a + "leading_dense_block_count", 0)),
+        n_shared_expert=n_shared,
+        n_ff_shexp=int(meta.get(a + "expert_shared_feed_forward_length", n_ff_exp * n_shared)),
+        yarn=yarn,
+        rope_mscale=mscale,
+        present=frozenset(r for r in flags.optional if r in roles),
     )

@@ -15,7 +15,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
     """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
     gpu_slots[il]: of layer il's chosen experts, how many a GPU computes reading their weights
     from RAM (zero copy, see moe_ffn); None or 0: none."""
-    T, D, H, Hkv, Dh = n_tokens, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T)
     g.add_node("GET_ROWS", "x", (T, D), ["tokens"], "token_embd.weight")                # [T, D]
@@ -23,30 +23,13 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
         g.add_node("SCALE", "x", (T, D), ["x"], s=math.sqrt(D))
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
-        # attention: pre-norm, q/k/v projections, RoPE, causal attention over the KV cache
-        g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "attn_norm.weight", eps=eps)
-        g.add_node("MUL_MAT", "q", (T, H, Dh), ["h"], p + "attn_q.weight")              # [T, H, Dh]
-        g.add_node("MUL_MAT", "k", (T, Hkv, Dh), ["h"], p + "attn_k.weight")            # [T, Hkv, Dh]
-        g.add_node("MUL_MAT", "v", (T, Hkv, Dh), ["h"], p + "attn_v.weight")
-        if f.qk_norm:  # each head normalised on its own
-            g.add_node("RMS_NORM", "q", (T, H, Dh), ["q"], p + "attn_q_norm.weight", eps=eps)
-            g.add_node("RMS_NORM", "k", (T, Hkv, Dh), ["k"], p + "attn_k_norm.weight", eps=eps)
-        base, pos_scale = cfg.layer_rope(il)
-        rope = dict(n_rot=cfg.n_rot, base=base, scale=pos_scale, neox=f.rope_neox)
-        g.add_node("ROPE", "q", (T, H, Dh), ["q", "pos"], **rope)
-        g.add_node("ROPE", "k", (T, Hkv, Dh), ["k", "pos"], **rope)
-        g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v", "pos"], layer=il,
-                   scale=cfg.attn_scale, window=cfg.layer_window(il))
-        g.add_node("MUL_MAT", "o", (T, D), ["attn"], p + "attn_output.weight")           # [T, D]
-        if f.post_norms:
-            g.add_node("RMS_NORM", "o", (T, D), ["o"], p + "post_attention_norm.weight", eps=eps)
-        g.add_node("ADD", "x", (T, D), ["x", "o"])                                       # residual
+        attention(g, cfg, p, il, T)
         # feed-forward: pre-norm, then dense GLU or the MoE block
-        g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "ffn_norm.weight", eps=eps)
-        if cfg.is_moe:
+        g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
+        if cfg.is_moe_layer(il):
             moe_ffn(g, cfg, p, T, gpu_slots[il] if gpu_slots else 0)
         else:
-            dense_ffn(g, cfg, p, T)
+            dense_ffn(g, cfg, p, T, cfg.n_ff, "", "ffn_out")
         if f.post_norms:
             g.add_node("RMS_NORM", "ffn_out", (T, D), ["ffn_out"], p + "post_ffw_norm.weight", eps=eps)
         g.add_node("ADD", "x", (T, D), ["x", "ffn_out"])                                 # residual
@@ -59,16 +42,47 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
     return g
 
 
-def dense_ffn(g, cfg, p, T):
-    F = cfg.n_ff
-    g.add_node("MUL_MAT", "ffn_gate", (T, F), ["h"], p + "ffn_gate.weight")              # [T, F]
-    g.add_node("MUL_MAT", "ffn_up", (T, F), ["h"], p + "ffn_up.weight")
-    g.add_node("GLU", "ffn_gate", (T, F), ["ffn_gate", "ffn_up"], act=cfg.flags.ffn_act)
-    g.add_node("MUL_MAT", "ffn_out", (T, cfg.n_embd), ["ffn_gate"], p + "ffn_down.weight")
+def _linear(g, cfg, p, role, out, shape, src):
+    """out = src @ W^T (+ b where the file has blk.N.<role>.bias)."""
+    g.add_node("MUL_MAT", out, shape, [src], p + role + ".weight")
+    if cfg.has(role + ".bias"):
+        g.add_node("ADD_BIAS", out, shape, [out], p + role + ".bias")
+
+
+def attention(g, cfg, p, il, T):
+    """x += o(attn(rope(norm(q)), rope(norm(k)), v)), q, k, v = attn_norm(x) @ Wq, Wk, Wv."""
+    D, H, Hkv, Dh, f, eps = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.flags, cfg.norm_eps
+    g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "attn_norm.weight", eps=eps)
+    _linear(g, cfg, p, "attn_q", "q", (T, H, Dh), "h")                                  # [T, H, Dh]
+    _linear(g, cfg, p, "attn_k", "k", (T, Hkv, Dh), "h")                                # [T, Hkv, Dh]
+    _linear(g, cfg, p, "attn_v", "v", (T, Hkv, Dh), "h")
+    if cfg.has("attn_q_norm.weight"):  # each head normalised on its own
+        g.add_node("RMS_NORM", "q", (T, H, Dh), ["q"], p + "attn_q_norm.weight", eps=eps)
+        g.add_node("RMS_NORM", "k", (T, Hkv, Dh), ["k"], p + "attn_k_norm.weight", eps=eps)
+    rope = dict(n_rot=cfg.n_rot, freqs=cfg.rope_freqs(il), mscale=cfg.rope_mscale, neox=f.rope_neox)
+    g.add_node("ROPE", "q", (T, H, Dh), ["q", "pos"], **rope)
+    g.add_node("ROPE", "k", (T, Hkv, Dh), ["k", "pos"], **rope)
+    sinks = p + "attn_sinks.weight" if cfg.has("attn_sinks.weight") else None
+    g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v", "pos"], layer=il,
+               scale=cfg.attn_scale, window=cfg.layer_window(il), sinks=sinks)
+    _linear(g, cfg, p, "attn_output", "o", (T, D), "attn")                             # [T, D]
+    if f.post_norms:
+        g.add_node("RMS_NORM", "o", (T, D), ["o"], p + "post_attention_norm.weight", eps=eps)
+    g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
+
+
+def dense_ffn(g, cfg, p, T, F, suffix, out):
+    """out = act(h @ Wg^T) * (h @ Wu^T) @ Wd^T over the tensors ffn_{gate,up,down}<suffix>."""
+    gate = "ffn_gate" + suffix
+    g.add_node("MUL_MAT", gate, (T, F), ["h"], p + f"ffn_gate{suffix}.weight")          # [T, F]
+    g.add_node("MUL_MAT", "ffn_up" + suffix, (T, F), ["h"], p + f"ffn_up{suffix}.weight")
+    g.add_node("GLU", gate, (T, F), [gate, "ffn_up" + suffix], act=cfg.flags.glu)
+    g.add_node("MUL_MAT", out, (T, cfg.n_embd), [gate], p + f"ffn_down{suffix}.weight")
 
 
 def moe_ffn(g, cfg, p, T, gpu_slots=0):
-    """Router -> softmax -> top-k (-> renormalise) -> GLU experts -> weighted sum.
+    """Router -> gating -> top-k (-> renormalise, scale) -> GLU experts -> weighted sum
+    [+ shared experts].
 
     gpu_slots = S > 0 (one-token batches, experts in RAM, router on a GPU; no post-FFN norm):
     the chosen experts in slots 0..S-1 are computed by the GPU, which reads their weights from
@@ -76,17 +90,25 @@ def moe_ffn(g, cfg, p, T, gpu_slots=0):
     zero_copy) come first and add their weighted sum to the residual x themselves; the
     scheduler launches them without waiting for them, right after the copies the CPU's share
     needs, and the CPU's sum is added as usual."""
-    E, A, F, D = cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_embd
-    g.add_node("MUL_MAT", "router", (T, E), ["h"], p + "ffn_gate_inp.weight")            # [T, E]
+    E, A, D = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
+    _linear(g, cfg, p, "ffn_gate_inp", "router", (T, E), "h")                          # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
-    g.add_node("TOPK_MOE", "expert_weights", (T, A), ["router"], k=A,                     # [T, A]
-               norm=cfg.moe_norm_topk, also_writes=("expert_ids",))
+    select_bias = p + "exp_probs_b.bias" if cfg.has("exp_probs_b.bias") else None
+    g.add_node("TOPK_MOE", "expert_weights", (T, A), ["router"], select_bias, k=A,     # [T, A]
+               norm=cfg.moe_norm_topk, gating=cfg.gating, scale=cfg.routed_scale,
+               groups=(cfg.n_group, cfg.topk_group), also_writes=("expert_ids",))
     S = max(0, min(int(gpu_slots), A - 1))
     if S:
         assert not cfg.flags.post_norms, "the GPU's share would skip the post-FFN norm"
         _experts(g, cfg, p, T, "zc_", "zc_out", (0, S), zero_copy=True)
         g.add_node("ADD", "x", (T, D), ["x", "zc_out"], zero_copy=True)
     _experts(g, cfg, p, T, "exp_", "ffn_out", (S, A) if S else None)
+    if cfg.n_shared_expert:
+        dense_ffn(g, cfg, p, T, cfg.n_ff_shexp, "_shexp", "shexp_out")
+        if cfg.has("ffn_gate_inp_shexp.weight"):          # out *= sigmoid(h @ w)
+            g.add_node("MUL_MAT", "shexp_gate", (T, 1), ["h"], p + "ffn_gate_inp_shexp.weight")
+            g.add_node("SIGMOID_MUL", "shexp_out", (T, D), ["shexp_out", "shexp_gate"])
+        g.add_node("ADD", "ffn_out", (T, D), ["ffn_out", "shexp_out"])
 
 
 def _experts(g, cfg, p, T, name, out, slots, **params):
@@ -98,11 +120,15 @@ def _experts(g, cfg, p, T, name, out, slots, **params):
         params["slots"] = slots
         name += f"{slots[0]}-{slots[1]}_"
     gate, up, down = name + "gate", name + "up", name + "down"
-    g.add_node("MUL_MAT_ID", gate, (T, A, F), ["h", "expert_ids"], p + "ffn_gate_exps.weight", **params)
-    g.add_node("MUL_MAT_ID", up, (T, A, F), ["h", "expert_ids"], p + "ffn_up_exps.weight", **params)
-    g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.ffn_act, **params)
-    g.add_node("MUL_MAT_ID", down, (T, A, D), [gate, "expert_ids"],                       # [T, A, D]
-               p + "ffn_down_exps.weight", **params)
+
+    def product(role, buf, shape, src):
+        g.add_node("MUL_MAT_ID", buf, shape, [src, "expert_ids"], p + role + ".weight", **params)
+        if cfg.has(role + ".bias"):      # out[t, a] += b[expert of slot a]
+            g.add_node("ADD_BIAS_ID", buf, shape, [buf, "expert_ids"], p + role + ".bias", **params)
+    product("ffn_gate_exps", gate, (T, A, F), "h")
+    product("ffn_up_exps", up, (T, A, F), "h")
+    g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.glu, **params)
+    product("ffn_down_exps", down, (T, A, D), gate)                                      # [T, A, D]
     g.add_node("MOE_COMBINE", out, (T, D), [down, "expert_weights"], **params)            # [T, D]
 
 
@@ -115,24 +141,39 @@ def expected_tensors(cfg, names):
         yield "output.weight", (D, V)
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
+
+        def linear(role, ne):
+            yield p + role + ".weight", ne
+            if cfg.has(role + ".bias"):
+                yield p + role + ".bias", ne[1:]
         yield p + "attn_norm.weight", (D,)
-        yield p + "attn_q.weight", (D, H * Dh)
-        yield p + "attn_k.weight", (D, Hkv * Dh)
-        yield p + "attn_v.weight", (D, Hkv * Dh)
-        yield p + "attn_output.weight", (H * Dh, D)
-        if cfg.flags.qk_norm:
+        yield from linear("attn_q", (D, H * Dh))
+        yield from linear("attn_k", (D, Hkv * Dh))
+        yield from linear("attn_v", (D, Hkv * Dh))
+        yield from linear("attn_output", (H * Dh, D))
+        if cfg.has("attn_q_norm.weight"):
             yield p + "attn_q_norm.weight", (Dh,)
             yield p + "attn_k_norm.weight", (Dh,)
+        if cfg.has("attn_sinks.weight"):
+            yield p + "attn_sinks.weight", (H,)
         if cfg.flags.post_norms:
             yield p + "post_attention_norm.weight", (D,)
             yield p + "post_ffw_norm.weight", (D,)
-        yield p + "ffn_norm.weight", (D,)
-        if cfg.is_moe:
+        yield p + cfg.flags.ffn_norm + ".weight", (D,)
+        if cfg.is_moe_layer(il):
             E, F = cfg.n_expert, cfg.n_ff_exp
-            yield p + "ffn_gate_inp.weight", (D, E)
-            yield p + "ffn_gate_exps.weight", (D, F, E)
-            yield p + "ffn_up_exps.weight", (D, F, E)
-            yield p + "ffn_down_exps.weight", (F, D, E)
+            yield from linear("ffn_gate_inp", (D, E))
+            if cfg.has("exp_probs_b.bias"):
+                yield p + "exp_probs_b.bias", (E,)
+            yield from linear("ffn_gate_exps", (D, F, E))
+            yield from linear("ffn_up_exps", (D, F, E))
+            yield from linear("ffn_down_exps", (F, D, E))
+            if cfg.n_shared_expert:
+                Fs = cfg.n_ff_shexp
+                yield from ((p + f"ffn_{k}_shexp.weight", ne) for k, ne in
+                            (("gate", (D, Fs)), ("up", (D, Fs)), ("down", (Fs, D))))
+                if cfg.has("ffn_gate_inp_shexp.weight"):
+                    yield p + "ffn_gate_inp_shexp.weight", (D,)
         else:
             yield p + "ffn_gate.weight", (D, cfg.n_ff)
             yield p + "ffn_up.weight", (D, cfg.n_ff)
