@@ -83,7 +83,7 @@ def forward(cfg, tensors, tokens, x8, routes, gaps=None):
         for t in range(n):
             ht = xr(h[t], gate)
             for e, wt in zip(routes[il][t], wts[t]):
-                y = ref.act(w(gate)[e] @ ht, cfg.flags.ffn_act) * (w(up)[e] @ ht)
+                y = ref.act(w(gate)[e] @ ht, cfg.flags.glu) * (w(up)[e] @ ht)
                 x[t] += wt * (w(down)[e] @ xr(y, down))
     x = ref.rms_norm(x, w("output_norm.weight"), eps)
     return mm(x, "output.weight" if "output.weight" in tensors else "token_embd.weight")

@@ -127,22 +127,28 @@ class Backend:
 
     def bind_rope(self, node, buf, state):
         x, pos, p, ops = buf[node.out], buf[node.srcs[1]], node.params, self.ops
-        n_rot, base, neox, scale = p["n_rot"], p["base"], p["neox"], p["scale"]
-        return lambda: ops.rope(x, pos, n_rot, base, neox, scale)
+        freqs, mscale, neox = np.asarray(p["freqs"], np.float64), float(p["mscale"]), p["neox"]
+        return lambda: ops.rope(x, pos, freqs, mscale, neox)
+
+    def sinks(self, node):
+        """The ATTN node's per-head sink logits, or None (kernels then take none)."""
+        name = node.params.get("sinks")
+        return self.vector(name) if name else None
 
     def bind_attn(self, node, buf, state):
         out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
+        extra = {} if self.sinks(node) is None else {"sinks": self.sinks(node)}
         if self.positions_on_device:     # kernels read the position from the pos buffer
             def run():
                 attn.store_kv(kc, vc, k, v, pos)
-                attn.attention(out, q, kc, vc, pos, scale, window)
+                attn.attention(out, q, kc, vc, pos, scale, window, **extra)
         else:
             def run():
                 attn.store_kv(kc, vc, k, v, state.pos0)
-                attn.attention(out, q, kc, vc, state.pos0, scale, window)
+                attn.attention(out, q, kc, vc, state.pos0, scale, window, **extra)
         return run
 
     def bind_add(self, node, buf, state):
@@ -156,17 +162,43 @@ class Backend:
 
     def bind_glu(self, node, buf, state):
         out, gate, up = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
-        act = self.ops.swiglu if node.params["act"] == "silu" else self.ops.geglu
+        act = getattr(self.ops, GLU_KERNELS[node.params["act"]])
         return lambda: act(out, gate, up)
 
     def bind_topk_moe(self, node, buf, state):
         wts, ids, logits = buf[node.out], buf[node.params["also_writes"][0]], buf[node.srcs[0]]
-        norm, moe = node.params["norm"], self.moe
-        return lambda: moe.topk_route(ids, wts, logits, norm)
+        p, moe = node.params, self.moe
+        norm, gating = p["norm"], GATING_CODES[p.get("gating", "softmax")]
+        n_group, topk_group = p.get("groups", (0, 0))
+        scale = float(p.get("scale", 1.0))
+        if node.weight is None and n_group == 0 and scale == 1.0:
+            return lambda: moe.topk_route(ids, wts, logits, norm, gating)
+        bias = self.vector(node.weight) if node.weight else self.alloc((0,), np.float32)
+        return lambda: moe.topk_route(ids, wts, logits, norm, gating, scale, bias, n_group, topk_group)
 
     def bind_moe_combine(self, node, buf, state):
         out, y, w, moe = buf[node.out], buf[node.srcs[0]], chosen_slots(node, buf[node.srcs[1]]), self.moe
         return lambda: moe.moe_combine(out, y, w)
+
+    def bind_add_bias(self, node, buf, state):
+        out, x, b, ops = _rows2d(buf[node.out]), _rows2d(buf[node.srcs[0]]), self.vector(node.weight), self.ops
+        return lambda: ops.add_bias(out, x, b)
+
+    def bind_add_bias_id(self, node, buf, state):
+        out, x = buf[node.out], buf[node.srcs[0]]
+        ids, ops = chosen_slots(node, buf[node.srcs[1]]), self.ops
+        b = self.vector(node.weight).reshape(-1, out.shape[2])          # [E, M]
+        return lambda: ops.add_bias_id(out, x, b, ids)
+
+    def bind_sigmoid_mul(self, node, buf, state):
+        out, x, g = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
+        ops = self.ops
+        return lambda: ops.sigmoid_mul(out, x, g)
+
+
+# The kernel of each GLU kind (model/arch.py GLU_KINDS) and the kernels' gating codes.
+GLU_KERNELS = {"silu": "swiglu", "gelu": "geglu", "swiglu_oai": "swiglu_oai"}
+GATING_CODES = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
 
 class CPUBackend(Backend):
@@ -260,7 +292,7 @@ class CPUBackend(Backend):
         ws = tuple(p[0] for p in (pq, pk, pv, po))
         qtypes, int8s, steps = (tuple(p[j] for p in (pq, pk, pv, po)) for j in (1, 2, 3))
         rp, layer = rope.params, att.params["layer"]
-        rope_p, neox = (rp["n_rot"], float(rp["base"]), float(rp["scale"])), rp["neox"]
+        rope_p, neox = (np.asarray(rp["freqs"], np.float64), float(rp["mscale"])), rp["neox"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
         step = _labelled(lambda: blocks.attn_block(
@@ -357,5 +389,6 @@ def _labelled(step, label):
 
 
 def _act(fused, glu):
-    """The fused kernels' activation code of a GLU node."""
-    return fused.ACT_SILU if glu.params["act"] == "silu" else fused.ACT_GELU
+    """The fused kernels' activation code of a GLU node (fusion.FUSED_SUPPORT lets only the
+    kinds they have reach them)."""
+    return getattr(fused, "ACT_" + glu.params["act"].upper())

@@ -241,14 +241,12 @@ class FusionBinders:
         if attn.rope_supported(T, Dh):    # one launch (decoding)
             def rope_attention():
                 xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
-                attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"],
-                                    p["base"], p["neox"], p["scale"], a["scale"], a["window"],
-                                    xq=xq, xds=xds)
+                attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"],
+                                    p["mscale"], p["neox"], a["scale"], a["window"], xq=xq, xds=xds)
             return [None] * (len(members) - 1) + [_labelled(rope_attention, "QK_NORM+ROPE+ATTN")]
 
         def norm_rope_store():
-            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["n_rot"], p["base"],
-                                  p["neox"], p["scale"])
+            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"], p["mscale"], p["neox"])
 
         def attention():
             xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)

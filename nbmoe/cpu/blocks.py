@@ -39,7 +39,7 @@ def _attn_block_kernel(qtypes, int8s):
     h [1, D], q / att [1, H, Dh], k / v [1, Hkv, Dh], o [1, D]: the graph's buffers.
     norms = (attn_norm, q_norm, k_norm, post_attention_norm); qtypes, int8s, steps: per
     product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has another type than q
-    and k, and then runs on its own); rope_p = (n_rot, freq_base, freq_scale).
+    and k, and then runs on its own); rope_p = (freqs [n_rot/2] float64, mscale).
     """
     qt_qk, qt_v, qt_o = qtypes[0], qtypes[2], qtypes[3]
     i8_qk, i8_v, i8_o = int8s[0], int8s[2], int8s[3]
@@ -55,9 +55,9 @@ def _attn_block_kernel(qtypes, int8s):
             mat_vec(v2, wv, h, qt_v, i8_v, steps[2])
         _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
         _norm_if(k, k_norm, eps)
-        n_rot, base, freq_scale = rope_p
-        ops.rope(q, pos, n_rot, base, neox, freq_scale)
-        ops.rope(k, pos, n_rot, base, neox, freq_scale)
+        freqs, mscale = rope_p
+        ops.rope(q, pos, freqs, mscale, neox)
+        ops.rope(k, pos, freqs, mscale, neox)
         attn.store_kv(kc, vc, k, v, pos0)
         attn.decode_attention(att, q, kc, vc, pos0, scale, window)       # [1, H, Dh]
         mat_vec(o, wo, att.reshape(1, att.size), qt_o, i8_o, steps[3])   # [1, D]

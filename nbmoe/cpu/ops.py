@@ -160,7 +160,9 @@ def scale(out, x, s):
 # ---------------------------------------------------------------- rope
 # x[T, H, Dh] in place; pos[T] int32. Rotary position embedding on the first n_rot dims
 # of every head: pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with angle
-#   theta_i = pos * freq_scale * freq_base^(-2i / n_rot),  i = 0 .. n_rot/2 - 1.
+#   theta_i = pos * freqs[i],  i = 0 .. n_rot/2 - 1,
+# freqs[i] = freq_scale * freq_base^(-2i / n_rot) (rope_freqs), or YaRN's mix (model/arch.py),
+# whose cos and sin are also scaled by mscale.
 # Normal mode (llama GGUFs) pairs dims (2i, 2i+1); NeoX mode (qwen, gemma) pairs (i, i + n_rot/2).
 # cos and sin are computed in float64 (positions reach 1e5, where a float32 angle is off by
 # ~1e-2 rad), the rotation in float32. Parallel over tokens.
@@ -203,27 +205,27 @@ def sincos_f64(x):
     return (-a if k & 2 else a), (-b if (k + 1) & 2 else b)
 
 
+def rope_freqs(n_rot, freq_base, freq_scale=1.0):
+    """Angle per position of each rotated pair i < n_rot / 2: freq_scale * freq_base^(-2i / n_rot)
+    (float64; model/arch.py makes the YaRN ones)."""
+    return freq_scale * float(freq_base) ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+
+
 @njit(cache=True, error_model="numpy")
-def rope_tables(cs, sn, pos, n_rot, freq_base, freq_scale=1.0):
-    """cs, sn [T, n_rot/2] float32 <- cos, sin of theta[t, i] for positions pos [T]."""
-    half = n_rot // 2
+def rope_tables(cs, sn, pos, freqs, mscale=1.0):
+    """cs, sn [T, n_rot/2] float32 <- mscale * cos, sin of pos[t] * freqs[i] for positions pos [T]."""
+    half = freqs.shape[0]
     T = pos.shape[0]
-    inv_freq = np.empty(half, np.float64)  # freq_scale * r^i, r = freq_base^(-2/n_rot)
-    r = freq_base ** (-2.0 / n_rot)
-    f = np.float64(freq_scale)
-    for i in range(half):
-        inv_freq[i] = f
-        f *= r
     c, s = np.empty(half, np.float64), np.empty(half, np.float64)    # row t
     c1, s1 = np.empty(half, np.float64), np.empty(half, np.float64)  # one position's angle
     if T > 1:
         for i in range(half):
-            s1[i], c1[i] = sincos_f64(inv_freq[i])
+            s1[i], c1[i] = sincos_f64(freqs[i])
     for t in range(T):
         if t % ROPE_ANCHOR == 0 or pos[t] != pos[t - 1] + 1:
             p = np.float64(pos[t])
             for i in range(half):
-                s[i], c[i] = sincos_f64(p * inv_freq[i])
+                s[i], c[i] = sincos_f64(p * freqs[i])
         else:
             for i in range(half):
                 cn = c[i] * c1[i] - s[i] * s1[i]
@@ -231,8 +233,8 @@ def rope_tables(cs, sn, pos, n_rot, freq_base, freq_scale=1.0):
                 c[i] = cn
         ct, st = cs[t], sn[t]
         for i in range(half):
-            ct[i] = c[i]
-            st[i] = s[i]
+            ct[i] = mscale * c[i]
+            st[i] = mscale * s[i]
 
 
 @njit(cache=True, error_model="numpy")
@@ -277,11 +279,12 @@ def rope_apply(x, cs, sn, neox):
 
 
 @njit(cache=True, error_model="numpy")
-def rope(x, pos, n_rot, freq_base, neox, freq_scale=1.0):
-    """Rotate the first n_rot dims of each head of x [T, H, Dh] in place (pos [T] int32)."""
-    cs = np.empty((x.shape[0], n_rot // 2), np.float32)
-    sn = np.empty((x.shape[0], n_rot // 2), np.float32)
-    rope_tables(cs, sn, pos, n_rot, freq_base, freq_scale)
+def rope(x, pos, freqs, mscale, neox):
+    """Rotate the first 2 * len(freqs) dims of each head of x [T, H, Dh] in place (pos [T] int32)
+    by the angles pos * freqs[i], cos and sin scaled by mscale (1 but for YaRN)."""
+    cs = np.empty((x.shape[0], freqs.shape[0]), np.float32)
+    sn = np.empty((x.shape[0], freqs.shape[0]), np.float32)
+    rope_tables(cs, sn, pos, freqs, mscale)
     rope_apply(x, cs, sn, neox)
 
 

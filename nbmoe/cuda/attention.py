@@ -383,8 +383,8 @@ def rope_supported(T, Dh):
     return T <= SPLIT_MAX_T and Dh <= 256
 
 
-def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq_base, neox,
-                   freq_scale, scale, window=0, stream=0, xq=None, xds=None):
+def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, neox,
+                   scale, window=0, stream=0, xq=None, xds=None):
     """fused.norm_rope_store(q, k, v, ...) then attention(out, q, ...) in one launch (see
     ROPE above): q [T, H, Dh], k, v [T, Hkv, Dh] as the products wrote them (q and k are not
     written back), wq / wk the per-head norms (None: none); pos a device int32 [T]."""
@@ -397,8 +397,7 @@ def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq
     if not do_norm:
         wq = wk = _buffer("no_norm", (1,))                    # typed stand-ins, never read
     rope = (k, v, k_cache.view(np.float16), v_cache.view(np.float16), wq, wk, float(eps),
-            do_norm, int(n_rot), bool(neox),
-            rope_table(k_cache.shape[0], int(n_rot), freq_base, freq_scale))
+            do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))
     _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
 
 

@@ -534,22 +534,22 @@ ROPE_WARPS = 4
 _rope_tables = {}
 
 
-def rope_table(n_pos, n_rot, freq_base, freq_scale):
-    """Device float32 [n_pos, n_rot/2, 2]: cos, sin of pos * freq_scale * freq_base^(-2i/n_rot)
-    for pos < n_pos, by the CPU's rope_tables; one per GPU and parameters, kept (graphs hold it)."""
-    key = (device_id(), n_pos, n_rot, float(freq_base), float(freq_scale))
+def rope_table(n_pos, freqs, mscale):
+    """Device float32 [n_pos, n_rot/2, 2]: mscale * cos, sin of pos * freqs[i] for pos < n_pos,
+    by the CPU's rope_tables; one per GPU and parameters, kept (graphs hold it)."""
+    freqs = np.asarray(freqs, np.float64)
+    key = (device_id(), n_pos, freqs.tobytes(), float(mscale))
     tab = _rope_tables.get(key)
     if tab is None:
         from nbmoe.cpu.ops import rope_tables
-        cs = np.empty((n_pos, n_rot // 2), f32)
-        sn = np.empty((n_pos, n_rot // 2), f32)
-        rope_tables(cs, sn, np.arange(n_pos, dtype=np.int32), n_rot, float(freq_base), float(freq_scale))
+        cs = np.empty((n_pos, len(freqs)), f32)
+        sn = np.empty((n_pos, len(freqs)), f32)
+        rope_tables(cs, sn, np.arange(n_pos, dtype=np.int32), freqs, float(mscale))
         tab = _rope_tables[key] = cuda.to_device(np.ascontiguousarray(np.stack([cs, sn], axis=-1)))
     return tab
 
 
-def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq_base, neox,
-                    freq_scale=1.0, stream=0):
+def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, neox, stream=0):
     """q [T, H, Dh], k, v [T, Hkv, Dh] (device): [per-head RMS norm with wq / wk (None: no
     norm)], RoPE of q and k in place, then k and v as f16 into cache rows pos[t] (pos a
     device int32 [T]). Dh <= 256."""
@@ -563,4 +563,4 @@ def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, n_rot, freq_bas
     n = H + 2 * Hkv
     _norm_rope_store_kernel(Dh)[(T, (n + ROPE_WARPS - 1) // ROPE_WARPS), (32, ROPE_WARPS), stream](
         q, k, v, k_cache.view(np.float16), v_cache.view(np.float16), pos, wq, wk, float(eps),
-        do_norm, int(n_rot), bool(neox), rope_table(k_cache.shape[0], int(n_rot), freq_base, freq_scale))
+        do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))

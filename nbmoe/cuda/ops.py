@@ -207,14 +207,14 @@ def scale(out, x, s, stream=0):
 
 # ---------------------------------------------------------------- rope
 # x[T, H, Dh] in place; pos[T] int32. Pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with
-#   theta_i = pos * freq_scale * freq_base^(-2i / n_rot),  i < n_rot / 2,
-# normal mode pairs dims (2i, 2i+1), NeoX mode (i, i + n_rot/2). The angle, cos and sin in
-# float64 (positions reach 1e5, where a float32 angle is off by ~1e-2 rad), as on the CPU.
-# One thread per (token, head, pair).
+#   theta_i = pos * freqs[i],  i < n_rot / 2  (freqs: cpu/ops.py rope_freqs, or YaRN's),
+# cos and sin times mscale; normal mode pairs dims (2i, 2i+1), NeoX mode (i, i + n_rot/2).
+# The angle, cos and sin in float64 (positions reach 1e5, where a float32 angle is off by
+# ~1e-2 rad), as on the CPU. One thread per (token, head, pair).
 
 @cuda.jit
-def rope_kernel(x, pos, n_rot, freq_base, neox, freq_scale):
-    half = n_rot // 2
+def rope_kernel(x, pos, freqs, mscale, neox):
+    half = freqs.shape[0]
     H = x.shape[1]
     idx = cuda.grid(1)
     if idx >= x.shape[0] * H * half:
@@ -223,9 +223,9 @@ def rope_kernel(x, pos, n_rot, freq_base, neox, freq_scale):
     rem = idx - t * H * half
     h = rem // half
     i = rem - h * half
-    theta = float(pos[t]) * (freq_scale * math.pow(freq_base, -2.0 * i / n_rot))
-    c = f32(math.cos(theta))
-    s = f32(math.sin(theta))
+    theta = float(pos[t]) * freqs[i]
+    c = f32(mscale * math.cos(theta))
+    s = f32(mscale * math.sin(theta))
     if neox:
         i0 = i
         i1 = i + half
@@ -238,12 +238,27 @@ def rope_kernel(x, pos, n_rot, freq_base, neox, freq_scale):
     x[t, h, i1] = x0 * s + x1 * c
 
 
-def rope(x, pos, n_rot, freq_base, neox, freq_scale=1.0, stream=0):
-    """Rotate the first n_rot dims of each head of x [T, H, Dh] in place (pos [T] int32)."""
-    n = x.shape[0] * x.shape[1] * (n_rot // 2)
+_constants = {}
+
+
+def constant(a):
+    """A host array's copy on the current GPU, made once per content (graphs hold it)."""
+    from . import device_id
+    a = np.ascontiguousarray(a)
+    key = (device_id(), a.dtype.str, a.shape, a.tobytes())
+    d = _constants.get(key)
+    if d is None:
+        d = _constants[key] = cuda.to_device(a)
+    return d
+
+
+def rope(x, pos, freqs, mscale, neox, stream=0):
+    """Rotate the first 2 * len(freqs) dims of each head of x [T, H, Dh] in place (pos [T]
+    int32) by the angles pos * freqs[i] (freqs: host float64), cos and sin times mscale."""
+    n = x.shape[0] * x.shape[1] * len(freqs)
     if n:
         rope_kernel[_blocks(n, THREADS), THREADS, stream](
-            x, pos, int(n_rot), float(freq_base), bool(neox), float(freq_scale))
+            x, pos, constant(np.asarray(freqs, np.float64)), float(mscale), bool(neox))
 
 
 # ---------------------------------------------------------------- swiglu, geglu

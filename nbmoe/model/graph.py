@@ -21,8 +21,11 @@ OPS = (
     "ADD",           # a + b
     "SCALE",         # x * s
     "GLU",           # act(gate) * up
-    "TOPK_MOE",      # router softmax -> top-k -> renormalise
+    "TOPK_MOE",      # router gating -> top-k -> renormalise, scale
     "MOE_COMBINE",   # weighted sum over the chosen experts
+    "ADD_BIAS",      # x + b, b one row
+    "ADD_BIAS_ID",   # x[t, a] + b[chosen expert of slot a]
+    "SIGMOID_MUL",   # x * sigmoid(g), g one value a row (shared expert's gate)
 )
 MATRIX_OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID")
 

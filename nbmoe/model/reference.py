@@ -74,7 +74,7 @@ def moe(x, W, p, cfg):
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for e, w in zip(top[t], wts[t]):
-            h = act(gate[e] @ x[t], cfg.flags.ffn_act) * (up[e] @ x[t])
+            h = act(gate[e] @ x[t], cfg.flags.glu) * (up[e] @ x[t])
             out[t] += w * (down[e] @ h)
     return out
 
@@ -115,7 +115,7 @@ def forward(cfg, tensors, tokens):
         if cfg.is_moe:
             y = moe(h, W, p, cfg)
         else:
-            y = act(h @ W(p + "ffn_gate.weight").T, f.ffn_act) * (h @ W(p + "ffn_up.weight").T)
+            y = act(h @ W(p + "ffn_gate.weight").T, f.glu) * (h @ W(p + "ffn_up.weight").T)
             y = y @ W(p + "ffn_down.weight").T
         if f.post_norms:
             y = rms_norm(y, W(p + "post_ffw_norm.weight"), eps)

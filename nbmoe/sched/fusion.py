@@ -33,6 +33,30 @@ KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 ADD_KINDS = ("down_combine_add", "product_add", "norm_route")
 BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
+# The variants the fused kernels compute, per backend kind and op: every member of a group must
+# pass its op's test, else the group is not formed and its nodes run on the plain path (each
+# op's own kernel, which runs every variant). Ops not listed pass.
+def _plain_route(node):
+    p = node.params
+    return (p.get("gating", "softmax") == "softmax" and p.get("scale", 1.0) == 1.0
+            and not p.get("groups", (0, 0))[0] and node.weight is None)
+
+
+FUSED_SUPPORT = {
+    "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu"),
+            "ATTN": lambda n: not n.params.get("sinks"),
+            "TOPK_MOE": _plain_route},
+    "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu"),
+             "ATTN": lambda n: not n.params.get("sinks"),
+             "TOPK_MOE": _plain_route},
+}
+
+
+def supported(node, backend):
+    """Does backend's fused kernels compute this node's variant?"""
+    test = FUSED_SUPPORT["CPU" if backend == "CPU" else "CUDA"].get(node.op)
+    return test is None or test(node)
+
 
 def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None,
                 route_ok=lambda norm, router, topk: False):
@@ -46,7 +70,8 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
         found = _match_block(nodes, i, backend, vec_ok, wtype) if blocks else None
         if found is None:
             found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype, kinds, route_ok)
-        if found is None or found[0] not in kinds:
+        if (found is None or found[0] not in kinds
+                or not all(supported(n, backend) for n in found[1])):
             i += 1
             continue
         kind, members = found
@@ -54,6 +79,11 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
             groups[id(n)] = (kind, members)
         i += len(members)
     return groups
+
+
+def unfused(nodes, backend):
+    """The nodes of `backend` whose variant no fused kernel of it computes (--explain)."""
+    return [n for n in nodes if n.backend == backend and not supported(n, backend)]
 
 
 def _product(node, op, backend, vec_ok):

@@ -6,9 +6,10 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
   kv   attention runs where its layer's KV cache lives (the layer's device)
   off  the weight lives in RAM but the batch is large enough that copying the weight to a
        GPU and computing there wins (OffloadPolicy)
-  inp  no weight: it runs where most of its input bytes already are (ties go to a GPU, where
-       the next weighted op usually is, then to the backend that made an input last: the
-       residual add after a layer split follows the new GPU), so the fewest bytes cross
+  inp  no weight, or a small one (FOLLOW_INPUTS): it runs where most of its input bytes
+       already are (ties go to a GPU, where the next weighted op usually is, then to the
+       backend that made an input last: the residual add after a layer split follows the
+       new GPU), so the fewest bytes cross
   def  nothing to follow (graph inputs only): the CPU
   zc   a one-token MoE layer's GPU share of the chosen experts (model.moe_ffn's gpu_slots):
        the GPU that routed computes them reading the expert weights from RAM over PCIe (zero
@@ -47,6 +48,8 @@ from nbmoe.model.graph import OPS
 # Batch rows from which an op whose weight is in RAM runs on a GPU (llama.cpp's choice):
 # below it, copying the weight over PCIe costs more than the CPU computing the product.
 OFFLOAD_MIN_BATCH = 32
+# Ops whose small weight (a bias, the selection bias) goes where their input is, not the reverse.
+FOLLOW_INPUTS = ("ADD_BIAS", "ADD_BIAS_ID", "TOPK_MOE")
 # Batches up to which runs of GPU steps are recorded and replayed as CUDA graphs: launch
 # overhead matters only where kernels are short.
 GRAPH_MAX_T = 8
@@ -154,7 +157,7 @@ def assign_backends(graph, weight_backend, policy=None, cfg=None, gpu=None, cach
             node.backend, node.cause = producer["expert_ids"], "zc"
         elif node.op == "ATTN" and cache_backend is not None:
             node.backend, node.cause = cache_backend(node.params["layer"]), "kv"
-        elif node.weight is not None:
+        elif node.weight is not None and node.op not in FOLLOW_INPUTS:
             node.backend, node.cause = weight_backend(node.weight), "wgt"
             if (node.backend == "CPU" and gpu and policy is not None and node.op != "GET_ROWS"
                     and policy.offload(node, graph.n_tokens, cfg)):
