@@ -92,11 +92,16 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+def scores(logits, cfg, select_bias=None):
+    """Router logits [T, E] -> (gating probabilities, the scores that choose) [T, E]."""
+    probs = {"softmax": softmax, "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+             "softmax_topk": lambda z: z}[cfg.gating](logits)
+    return probs, probs if select_bias is None else probs + select_bias   # the bias only chooses
+
+
 def route(logits, cfg, select_bias=None):
     """Router logits [T, E] -> (chosen experts [T, A], their weights [T, A])."""
-    probs = {"softmax": softmax, "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
-             "softmax_topk": lambda z: z}[cfg.gating](logits)          # [T, E]
-    choose = probs if select_bias is None else probs + select_bias   # the bias only chooses
+    probs, choose = scores(logits, cfg, select_bias)                  # [T, E]
     if cfg.n_group > 1:   # keep the topk_group groups whose 2 best scores sum highest
         T, E = choose.shape
         g = choose.reshape(T, cfg.n_group, E // cfg.n_group)
