@@ -175,7 +175,8 @@ def forward(cfg, tensors, tokens):
         k = linear("attn_k", h).reshape(T, Hkv, Dh)
         v = linear("attn_v", h).reshape(T, Hkv, Dh)
         if cfg.has("attn_q_norm.weight"):
-            q, k = rms_norm(q, W(p + "attn_q_norm.weight"), eps), rms_norm(k, W(p + "attn_k_norm.weight"), eps)
+            q = rms_norm(q, W(p + "attn_q_norm.weight"), eps)
+            k = rms_norm(k, W(p + "attn_k_norm.weight"), eps)
         freqs = cfg.rope_freqs(il)                    # per layer: local layers may differ
         q, k = (rope(z, pos, freqs, f.rope_neox, cfg.rope_mscale) for z in (q, k))
         k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
