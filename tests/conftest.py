@@ -23,6 +23,10 @@ TINY = {
     "qwen3": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128),
     "qwen3moe": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                      n_expert=8, n_expert_used=2, n_ff_exp=64),
+    # every gpt-oss part: biases, sinks, an 8-token window on layer 0, YaRN as the real model
+    "gpt-oss": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64,
+                    n_expert=8, n_expert_used=4, n_ff_exp=64, sliding_window=8,
+                    yarn=(32.0, 4096), rope_base=150000.0, tie_embeddings=False),
 }
 
 

@@ -64,8 +64,7 @@ def forward(cfg, tensors, tokens, x8, routes, gaps=None):
         p = f"blk.{il}."
         h = ref.rms_norm(x, w(p + "attn_norm.weight"), eps)
         q, k, v = (mm(h, p + f"attn_{c}.weight").reshape(n, -1, Dh) for c in "qkv")
-        base, scale = cfg.layer_rope(il)
-        q, k = (ref.rope(t, pos, cfg.n_rot, base, scale, cfg.flags.rope_neox) for t in (q, k))
+        q, k = (ref.rope(t, pos, cfg.rope_freqs(il), cfg.flags.rope_neox, cfg.rope_mscale) for t in (q, k))
         k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
         a = ref.attention(q, k, v, cfg.attn_scale, 0).reshape(n, H * Dh)
         x = x + mm(a, p + "attn_output.weight")
@@ -83,7 +82,7 @@ def forward(cfg, tensors, tokens, x8, routes, gaps=None):
         for t in range(n):
             ht = xr(h[t], gate)
             for e, wt in zip(routes[il][t], wts[t]):
-                y = ref.act(w(gate)[e] @ ht, cfg.flags.glu) * (w(up)[e] @ ht)
+                y = ref.glu(w(gate)[e] @ ht, w(up)[e] @ ht, cfg.flags.glu)
                 x[t] += wt * (w(down)[e] @ xr(y, down))
     x = ref.rms_norm(x, w("output_norm.weight"), eps)
     return mm(x, "output.weight" if "output.weight" in tensors else "token_embd.weight")

@@ -8,7 +8,8 @@ Letters: L layers, D n_embd, H q heads, Hkv kv heads, Dh head dim, F FFN width,
 E experts, V vocab. Shapes below are numpy order [outer, ..., row]; GGUF lists them reversed.
 
 Every matrix has std 1/sqrt(row length) so each matmul keeps activations O(1); norm weights
-are 1 +- 0.1 and the router is random, all F32. A matrix is made of quantized blocks drawn at
+are 1 +- 0.1 and the router is random, all F32. gpt-oss's biases and attention sinks (F32) are
+large enough to move the logits: see BIAS_STD. A matrix is made of quantized blocks drawn at
 random from a pool of pre-quantized N(0, std) blocks: every value is a quantized normal, rows
 are distinct, and a 30B-shape file writes at memory speed rather than at RNG + quantize speed.
 """
@@ -21,7 +22,8 @@ import sys
 import time
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType,
+                  RopeScalingType)
 from gguf.quants import quantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the reference quantizers
@@ -64,9 +66,30 @@ PRESETS = {
     "smollm2-135m": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3,
                          n_ff=1536, n_vocab=49152, n_ctx=8192, rope_base=1e5, rms_eps=1e-5,
                          tie_embeddings=True),
+    # as the published GGUFs (convert_hf_to_gguf.py's GptOssModel): experts MXFP4 as released,
+    # the other matrices Q8_0; norms, router, biases and sinks F32; YaRN 32x over 4096
+    # positions; a 128-token window on the even layers
+    "gpt-oss-20b": dict(arch="gpt-oss", n_layer=24, n_embd=2880, n_head=64, n_head_kv=8,
+                        head_dim=64, n_ff=2880, n_expert=32, n_expert_used=4, n_ff_exp=2880,
+                        n_vocab=201088, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5,
+                        tie_embeddings=False, sliding_window=128, yarn=(32.0, 4096),
+                        types=(("_exps", "MXFP4"),)),
+    "gpt-oss-120b": dict(arch="gpt-oss", n_layer=36, n_embd=2880, n_head=64, n_head_kv=8,
+                         head_dim=64, n_ff=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880,
+                         n_vocab=201088, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5,
+                         tie_embeddings=False, sliding_window=128, yarn=(32.0, 4096),
+                         types=(("_exps", "MXFP4"),)),
 }
 
-ARCHS = ("llama", "qwen3", "qwen3moe")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss")
+
+# std of gpt-oss's F32 vectors, by role: against matmul outputs of std ~1 they shift q/k/v,
+# the router's choice and the experts visibly; gate/up biases push some gate values past
+# swiglu_oai's clamp at 7. Sinks: per-head logits around SINK_MEAN.
+BIAS_STD = {"attn_q.bias": 0.5, "attn_k.bias": 0.5, "attn_v.bias": 0.5, "attn_output.bias": 0.5,
+            "ffn_gate_inp.bias": 0.5, "ffn_gate_exps.bias": 2.5, "ffn_up_exps.bias": 2.5,
+            "ffn_down_exps.bias": 0.5, "attn_sinks.weight": 1.5}
+SINK_MEAN = 1.0
 
 
 def smollm2_path():
@@ -79,26 +102,35 @@ def smollm2_path():
 
 def tensor_plan(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp,
                 n_vocab, tie_embeddings):
-    """[(name, numpy shape, kind)] in file order; kind is 'matrix', 'norm' or 'router'."""
-    D, Dh, E = n_embd, head_dim, n_expert
+    """[(name, numpy shape, kind)] in file order; kind is 'matrix', 'norm', 'router' or
+    'bias' (gpt-oss's biases and sinks)."""
+    D, Dh, E, F = n_embd, head_dim, n_expert, n_ff_exp
+    oss = arch == "gpt-oss"         # biases everywhere, sinks, the FFN pre-norm's other name
     plan = [("token_embd.weight", (n_vocab, D), "matrix")]                       # [V, D]
     for i in range(n_layer):
         b = f"blk.{i}."
+
+        def linear(role, shape):
+            plan.append((b + role + ".weight", shape, "router" if role == "ffn_gate_inp" else "matrix"))
+            if oss:
+                plan.append((b + role + ".bias", shape[:-1], "bias"))
         plan.append((b + "attn_norm.weight", (D,), "norm"))
-        plan.append((b + "attn_q.weight", (n_head * Dh, D), "matrix"))          # [H*Dh, D]
-        if arch != "llama":
+        linear("attn_q", (n_head * Dh, D))                                       # [H*Dh, D]
+        if arch in ("qwen3", "qwen3moe"):
             plan.append((b + "attn_q_norm.weight", (Dh,), "norm"))
-        plan.append((b + "attn_k.weight", (n_head_kv * Dh, D), "matrix"))       # [Hkv*Dh, D]
-        if arch != "llama":
+        linear("attn_k", (n_head_kv * Dh, D))                                    # [Hkv*Dh, D]
+        if arch in ("qwen3", "qwen3moe"):
             plan.append((b + "attn_k_norm.weight", (Dh,), "norm"))
-        plan.append((b + "attn_v.weight", (n_head_kv * Dh, D), "matrix"))       # [Hkv*Dh, D]
-        plan.append((b + "attn_output.weight", (D, n_head * Dh), "matrix"))     # [D, H*Dh]
-        plan.append((b + "ffn_norm.weight", (D,), "norm"))
+        linear("attn_v", (n_head_kv * Dh, D))                                    # [Hkv*Dh, D]
+        linear("attn_output", (D, n_head * Dh))                                  # [D, H*Dh]
+        if oss:
+            plan.append((b + "attn_sinks.weight", (n_head,), "bias"))           # [H]
+        plan.append((b + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (D,), "norm"))
         if E:
-            plan.append((b + "ffn_gate_inp.weight", (E, D), "router"))          # [E, D]
-            plan.append((b + "ffn_gate_exps.weight", (E, n_ff_exp, D), "matrix"))  # [E, F, D]
-            plan.append((b + "ffn_up_exps.weight", (E, n_ff_exp, D), "matrix"))    # [E, F, D]
-            plan.append((b + "ffn_down_exps.weight", (E, D, n_ff_exp), "matrix"))  # [E, D, F]
+            linear("ffn_gate_inp", (E, D))                                       # [E, D]
+            linear("ffn_gate_exps", (E, F, D))                                   # [E, F, D]
+            linear("ffn_up_exps", (E, F, D))                                     # [E, F, D]
+            linear("ffn_down_exps", (E, D, F))                                   # [E, D, F]
         else:
             plan.append((b + "ffn_gate.weight", (n_ff, D), "matrix"))           # [F, D]
             plan.append((b + "ffn_up.weight", (n_ff, D), "matrix"))             # [F, D]
@@ -207,8 +239,11 @@ class _BlockPool:
 def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None, n_ff,
                n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
                default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
-               rope_base=10000.0, rms_eps=1e-5, name=None, seed=0):
+               rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, name=None, seed=0):
     """Write a random-weight GGUF of architecture arch to path; returns path.
+
+    gpt-oss: sliding_window (tokens, on the even layers; required), yarn = (factor, original
+    context length) or None. The same arguments and seed write the same bytes.
 
     types: ordered [(regex, type name)] matched with re.search on tensor names, first match
     wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
@@ -216,8 +251,10 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch '{arch}' (known: {', '.join(ARCHS)})")
-    if (arch == "qwen3moe" and not n_expert) or (arch == "qwen3" and n_expert):
-        raise ValueError("qwen3moe needs n_expert > 0 and qwen3 is dense (a llama may be either)")
+    if (arch in ("qwen3moe", "gpt-oss") and not n_expert) or (arch == "qwen3" and n_expert):
+        raise ValueError(f"{arch} needs n_expert > 0" if not n_expert else "qwen3 is dense")
+    if arch == "gpt-oss" and not sliding_window:
+        raise ValueError("gpt-oss needs sliding_window > 0")
     if n_expert and not 1 <= n_expert_used <= n_expert:
         raise ValueError(f"need 1 <= n_expert_used <= n_expert, got {n_expert_used}, {n_expert}")
     head_dim = head_dim or n_embd // n_head
@@ -250,6 +287,8 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     w = GGUFWriter(path, arch)
     w.add_name(name or f"nbmoe random {arch}")
     ftype = "ALL_F32" if default_type == "F32" else "MOSTLY_" + default_type
+    if any(t[3] == "MXFP4" for t in typed if "_exps." in t[0]):
+        ftype = "MOSTLY_MXFP4_MOE"
     w.add_file_type(getattr(LlamaFileType, ftype, LlamaFileType.GUESSED))
     w.add_quantization_version(2)
     w.add_block_count(n_layer)
@@ -261,14 +300,21 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_base)
-    w.add_rope_dimension_count(head_dim)
+    if arch != "gpt-oss":          # gpt-oss's files leave it to default to key_length
+        w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "gpt-oss"):
             w.add_expert_feed_forward_length(n_ff_exp)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    if yarn:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(yarn[0]))
+        w.add_rope_scaling_orig_ctx_len(int(yarn[1]))
     for key, (value, vtype, sub_type) in tok.items():
         w.add_key_value(key, value, vtype, sub_type)
     for tname, shape, kind, type_name, n_bytes in typed:
@@ -287,6 +333,10 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
                 data = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             elif kind == "router":
                 data = (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+            elif kind == "bias":
+                role = tname.split(".", 2)[2]
+                mean = SINK_MEAN if role == "attn_sinks.weight" else 0.0
+                data = (mean + BIAS_STD[role] * rng.standard_normal(shape)).astype(np.float32)
             else:
                 data = pool.matrix(shape, type_name, 1 / math.sqrt(shape[-1]))
             w.write_tensor_data(data)
@@ -323,6 +373,7 @@ def main(argv=None):
 
     shape = dict(PRESETS[args.preset])
     arch = shape.pop("arch")
+    preset_types = list(shape.pop("types", ()))
     if args.arch not in (None, arch):
         ap.error(f"preset {args.preset} is arch {arch}, not {args.arch}")
     if args.layers is not None:
@@ -346,6 +397,7 @@ def main(argv=None):
             default_type = type_name
         else:
             types.append((pattern, type_name))
+    types += preset_types           # the user's patterns first: first match wins
     vocab_from = {"none": None, "smollm2": "smollm2"}.get(args.vocab_from, args.vocab_from)
     if vocab_from == "smollm2":
         vocab_from = smollm2_path()

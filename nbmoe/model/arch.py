@@ -180,13 +180,15 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
     n_layer = int(_get(meta, a + "block_count"))
     if flags.skip_nextn:
         n_layer -= int(meta.get(a + "nextn_predict_layers", 0))
-    scaling = _choice(meta, a + "rope.scaling.type", meta.get(a + "rope.scaling.type", "none") or "none",
+    # llama.cpp reads a missing scaling type as linear: a bare factor scales positions
+    scaling = _choice(meta, a + "rope.scaling.type", meta.get(a + "rope.scaling.type") or "linear",
                       ("none", "linear", "yarn"))
     factor = float(meta.get(a + "rope.scaling.factor", 1.0) or 1.0)
     yarn, mscale = (), float(meta.get(a + "rope.scaling.attn_factor", 1.0))
     if scaling == "yarn" and factor > 1.0:
         yarn = (float(meta.get(a + "rope.scaling.yarn_ext_factor", 1.0)),
-                float(_get(meta, a + "rope.scaling.original_context_length")),
+                float(meta.get(a + "rope.scaling.original_context_length",
+                               meta.get(a + "context_length", 2048))),
                 float(meta.get(a + "rope.scaling.yarn_beta_fast", 32.0)),
                 float(meta.get(a + "rope.scaling.yarn_beta_slow", 1.0)))
         if yarn[0]:
@@ -198,7 +200,13 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
     n_ff_exp = int(meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0)))
     n_shared = int(meta.get(a + "expert_shared_count", 0))
     swa_layers = meta.get(a + "attention.sliding_window_pattern")
-    swa_layers = tuple(bool(v) for v in swa_layers) if isinstance(swa_layers, (list, tuple)) else ()
+    if isinstance(swa_layers, (list, tuple)):          # one flag per layer
+        swa_layers = tuple(bool(v) for v in swa_layers)
+    elif swa_layers is not None:                       # a period n: layer il is global if il % n == n-1
+        n = int(swa_layers)
+        swa_layers = tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
+    else:
+        swa_layers = ()
     roles = {n.split(".", 2)[2] for n in tensor_names if n.startswith("blk.") and n.count(".") >= 2}
     return ModelConfig(
         arch=arch, flags=flags,

@@ -1,13 +1,23 @@
 """A float64 NumPy forward pass for every architecture: slow, short, and the math on a page.
 
 It shares nothing with the engine's kernels (weights are dequantized by gguf-py), so the
-tests can hold the engine's logits against it. It processes a whole sequence from
-position 0 with a plain causal mask; keys and values are rounded through float16 as the
-engine's f16 KV cache does.
-Legend: T tokens, D model dim, H / Hkv heads, Dh head dim, E experts, A active experts.
+tests can hold the engine's logits against it. It reads only the fields of ModelConfig
+(arch.py), as forward.py's graph does. It processes a whole sequence from position 0;
+keys and values are rounded through float16 as the engine's f16 KV cache does.
+Legend: T tokens, D model dim, H / Hkv heads, Dh head dim, E experts, A active experts, F width.
 """
 import numpy as np
 from gguf import GGMLQuantizationType, dequantize
+
+from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, config_from_meta
+
+
+def load(path):
+    """(ModelConfig, tensors) of a GGUF file, without the engine."""
+    from nbmoe.loader.gguf_file import GGUFFile
+    f = GGUFFile(path)
+    emb = f.tensors.get("token_embd.weight")
+    return config_from_meta(f.meta, emb.ne[1] if emb is not None else None, f.tensors), f.tensors
 
 
 def weight(tensors, name):
@@ -26,12 +36,12 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, n_rot, base, scale, neox):
-    """x [T, heads, Dh]: rotate the first n_rot dims of each head by angle pos * theta_i."""
-    x = x.copy()
-    theta = base ** (-np.arange(0, n_rot, 2) / n_rot)                 # [n_rot/2]
-    ang = (pos[:, None] * scale) * theta[None, :]                      # [T, n_rot/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+def rope(x, pos, freqs, neox, mscale=1.0):
+    """x [T, heads, Dh]: rotate the first n_rot = 2 len(freqs) dims of each head by the angle
+    pos * freqs[i] of pair i, cos and sin times mscale; the other dims pass unchanged."""
+    x, n_rot = x.copy(), 2 * len(freqs)
+    ang = pos[:, None] * freqs[None, :]                                # [T, n_rot/2]
+    cos, sin = np.cos(ang)[:, None, :] * mscale, np.sin(ang)[:, None, :] * mscale
     if neox:   # pairs (i, i + n_rot/2)
         a, b = x[..., : n_rot // 2].copy(), x[..., n_rot // 2: n_rot].copy()
         x[..., : n_rot // 2], x[..., n_rot // 2: n_rot] = a * cos - b * sin, a * sin + b * cos
@@ -41,41 +51,99 @@ def rope(x, pos, n_rot, base, scale, neox):
     return x
 
 
-def attention(q, k, v, scale, window):
-    """Causal grouped-query attention. q [T, H, Dh], k, v [T, Hkv, Dh] -> [T, H, Dh]."""
+def attention(q, k, v, scale, window, sinks=None):
+    """Causal grouped-query attention. q [T, H, Dh], k, v [T, Hkv, Dh] -> [T, H, Dh].
+    window > 0: token i sees j only if i - j < window. sinks [H]: a raw logit per head that
+    joins every softmax with a zero value (it only takes probability away)."""
     T, H, _ = q.shape
     group = H // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [T, H, Dh]
     s = np.einsum("thd,shd->hts", q, k) * scale                      # [H, T, T]
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    visible = (j <= i) & ((window == 0) | (j > i - window))
+    visible = (j <= i) & ((window == 0) | (i - j < window))
     s = np.where(visible, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hts,shd->thd", p, v)
+    m = s.max(-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks[:, None, None])
+    p = np.exp(s - m)
+    denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom += np.exp(sinks[:, None, None] - m)
+    return np.einsum("hts,shd->thd", p / denom, v)
 
 
 def act(x, kind):
     if kind == "silu":
         return x / (1 + np.exp(-x))
+    assert kind == "gelu", kind
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))  # gelu (tanh)
 
 
-def moe(x, W, p, cfg):
-    """x [T, D] -> [T, D]: each token through its top-A experts, weighted by router probs."""
-    logits = x @ W(p + "ffn_gate_inp.weight").T                     # [T, E]
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, : cfg.n_expert_used]   # [T, A]
-    wts = np.take_along_axis(probs, top, -1)                         # [T, A]
+def glu(gate, up, kind):
+    """act(gate) * up; swiglu_oai: gate clamped above, up clamped both ways, and up + 1."""
+    if kind == "swiglu_oai":
+        x, y = np.minimum(gate, SWIGLU_OAI_LIMIT), np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return x / (1 + np.exp(-SWIGLU_OAI_ALPHA * x)) * (y + 1)
+    return act(gate, kind) * up
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def scores(logits, cfg, select_bias=None):
+    """Router logits [T, E] -> (gating probabilities, the scores that choose) [T, E]."""
+    probs = {"softmax": softmax, "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+             "softmax_topk": lambda z: z}[cfg.gating](logits)
+    return probs, probs if select_bias is None else probs + select_bias   # the bias only chooses
+
+
+def route(logits, cfg, select_bias=None):
+    """Router logits [T, E] -> (chosen experts [T, A], their weights [T, A])."""
+    probs, choose = scores(logits, cfg, select_bias)                  # [T, E]
+    if cfg.n_group > 1:   # keep the topk_group groups whose 2 best scores sum highest
+        T, E = choose.shape
+        g = choose.reshape(T, cfg.n_group, E // cfg.n_group)
+        score = np.sort(g, -1)[..., -2:].sum(-1)                     # [T, n_group]
+        best = np.argsort(-score, -1, kind="stable")[:, : cfg.topk_group]
+        keep = np.zeros(score.shape, bool)
+        np.put_along_axis(keep, best, True, -1)
+        choose = np.where(keep[..., None], g, -np.inf).reshape(T, E)
+    top = np.argsort(-choose, -1, kind="stable")[:, : cfg.n_expert_used]   # [T, A]
+    w = np.take_along_axis(probs, top, -1)
+    if cfg.gating == "softmax_topk":
+        w = softmax(w)
     if cfg.moe_norm_topk:
-        wts /= wts.sum(-1, keepdims=True)
+        w = w / np.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
+    return top, w * cfg.routed_scale
+
+
+def dense_ffn(h, W, p, kind, suffix=""):
+    """h [T, D] -> down(glu(gate h, up h))."""
+    g, u = h @ W(p + f"ffn_gate{suffix}.weight").T, h @ W(p + f"ffn_up{suffix}.weight").T
+    return glu(g, u, kind) @ W(p + f"ffn_down{suffix}.weight").T
+
+
+def moe(h, W, B, p, cfg):
+    """h [T, D] -> [T, D]: each token through its chosen experts, weighted, plus shared experts.
+    B(role): the layer's optional bias (or 0)."""
+    logits = h @ W(p + "ffn_gate_inp.weight").T + B("ffn_gate_inp.bias")      # [T, E]
+    sel = W(p + "exp_probs_b.bias") if cfg.has("exp_probs_b.bias") else None
+    top, wts = route(logits, cfg, sel)
     gate, up, down = (W(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
+    bg, bu, bd = (B(f"ffn_{n}_exps.bias") for n in ("gate", "up", "down"))  # [E, F] / [E, D] or 0
+    pick = lambda b, e: b[e] if np.ndim(b) else 0.0                           # noqa: E731
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
         for e, w in zip(top[t], wts[t]):
-            h = act(gate[e] @ x[t], cfg.flags.glu) * (up[e] @ x[t])
-            out[t] += w * (down[e] @ h)
+            y = glu(gate[e] @ h[t] + pick(bg, e), up[e] @ h[t] + pick(bu, e), cfg.flags.glu)
+            out[t] += w * (down[e] @ y + pick(bd, e))
+    if cfg.n_shared_expert:
+        s = dense_ffn(h, W, p, cfg.flags.glu, "_shexp")
+        if cfg.has("ffn_gate_inp_shexp.weight"):
+            s = s / (1 + np.exp(-(h @ W(p + "ffn_gate_inp_shexp.weight"))))[:, None]
+        out += s
     return out
 
 
@@ -96,27 +164,30 @@ def forward(cfg, tensors, tokens):
         x = x * np.sqrt(cfg.n_embd)
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
+
+        def B(role):                      # the optional bias of `role`, else 0
+            return W(p + role) if cfg.has(role) else 0.0
+
+        def linear(role, inp):
+            return inp @ W(p + role + ".weight").T + B(role + ".bias")
         h = rms_norm(x, W(p + "attn_norm.weight"), eps)
-        q = (h @ W(p + "attn_q.weight").T).reshape(T, H, Dh)
-        k = (h @ W(p + "attn_k.weight").T).reshape(T, Hkv, Dh)
-        v = (h @ W(p + "attn_v.weight").T).reshape(T, Hkv, Dh)
-        if f.qk_norm:
-            q, k = rms_norm(q, W(p + "attn_q_norm.weight"), eps), rms_norm(k, W(p + "attn_k_norm.weight"), eps)
-        base, pos_scale = cfg.layer_rope(il)          # sliding-window layers have their own
-        q = rope(q, pos, cfg.n_rot, base, pos_scale, f.rope_neox)
-        k = rope(k, pos, cfg.n_rot, base, pos_scale, f.rope_neox)
+        q = linear("attn_q", h).reshape(T, H, Dh)
+        k = linear("attn_k", h).reshape(T, Hkv, Dh)
+        v = linear("attn_v", h).reshape(T, Hkv, Dh)
+        if cfg.has("attn_q_norm.weight"):
+            q = rms_norm(q, W(p + "attn_q_norm.weight"), eps)
+            k = rms_norm(k, W(p + "attn_k_norm.weight"), eps)
+        freqs = cfg.rope_freqs(il)                    # per layer: local layers may differ
+        q, k = (rope(z, pos, freqs, f.rope_neox, cfg.rope_mscale) for z in (q, k))
         k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
-        a = attention(q, k, v, cfg.attn_scale, cfg.layer_window(il)).reshape(T, H * Dh)
-        o = a @ W(p + "attn_output.weight").T
+        sinks = W(p + "attn_sinks.weight") if cfg.has("attn_sinks.weight") else None
+        a = attention(q, k, v, cfg.attn_scale, cfg.layer_window(il), sinks).reshape(T, H * Dh)
+        o = linear("attn_output", a)
         if f.post_norms:
             o = rms_norm(o, W(p + "post_attention_norm.weight"), eps)
         x = x + o
-        h = rms_norm(x, W(p + "ffn_norm.weight"), eps)
-        if cfg.is_moe:
-            y = moe(h, W, p, cfg)
-        else:
-            y = act(h @ W(p + "ffn_gate.weight").T, f.glu) * (h @ W(p + "ffn_up.weight").T)
-            y = y @ W(p + "ffn_down.weight").T
+        h = rms_norm(x, W(p + f.ffn_norm + ".weight"), eps)
+        y = moe(h, W, B, p, cfg) if cfg.is_moe_layer(il) else dense_ffn(h, W, p, f.glu)
         if f.post_norms:
             y = rms_norm(y, W(p + "post_ffw_norm.weight"), eps)
         x = x + y
