@@ -346,3 +346,21 @@ def is_available():
     """True when kernels can run: a CUDA GPU, or the simulator."""
     return SIM or cuda.is_available()
 
+
+
+_empty = {}
+
+
+def empty():
+    """EMPTY: a float32 device array of size 0, standing for "none" in an optional array
+    argument (attention sinks, biases); one per GPU, kept (CUDA graphs hold it)."""
+    key = device_id()
+    a = _empty.get(key)
+    if a is None:
+        a = _empty[key] = cuda.device_array(0, np.float32)
+    return a
+
+
+def or_empty(a):
+    """a, or EMPTY for None: optional arrays reach the kernels as arrays, size 0 meaning none."""
+    return empty() if a is None else a
