@@ -86,9 +86,14 @@ def test_attention_sinks_split(window, pos0, keys, small, monkeypatch):
     q *= 3
     ref = attention_sinks_ref(q, k_all, v_all, pos0, 0.125, window, SINKS)
     out = poisoned(q.shape)
+    xq, xds = x8_buffers(1, H * Dh)                  # the 8-bit output too (kernel or merge)
     att.attention(out, dev(q), kc, vc, dev(np.array([pos0], np.int32)), 0.125, window,
-                  sinks=dev(SINKS))
+                  xq=xq, xds=xds, sinks=dev(SINKS))
     check("attention sinks, split", out.copy_to_host(), ref)
+    got_q, got_ds = xq.copy_to_host()[:H * Dh // 4], xds.copy_to_host()[:H * Dh // 16]
+    quantize_x(out, 1, H * Dh, 0)
+    assert np.array_equal(got_q, xq.copy_to_host()[:H * Dh // 4])
+    assert np.array_equal(got_ds, xds.copy_to_host()[:H * Dh // 16])
     # without sinks (EMPTY): unchanged
     att.attention(out, dev(q), kc, vc, pos0, 0.125, window, sinks=empty())
     check("attention, EMPTY sinks", out.copy_to_host(), naive.attention(q, k_all, v_all, pos0, 0.125, window))
