@@ -88,17 +88,17 @@ def test_rope(neox, Dh, n_rot, T):
     pos = (np.arange(T) * 3001 + 1234).astype(np.int32)  # up to ~1e5: angles need float64
     ref = naive.rope(x, pos, n_rot, 10000.0, neox, 0.5)
     y = x.copy()
-    ops.rope(y, pos, n_rot, 10000.0, neox, 0.5)
+    ops.rope(y, pos, ops.rope_freqs(n_rot, 10000.0, 0.5), 1.0, neox)
     assert max_rel(y, ref) < RTOL
     assert np.array_equal(y[..., n_rot:], x[..., n_rot:])  # dims past n_rot untouched
     cs, sn = np.empty((T, n_rot // 2), np.float32), np.empty((T, n_rot // 2), np.float32)
-    ops.rope_tables(cs, sn, pos, n_rot, 10000.0, 0.5)
+    ops.rope_tables(cs, sn, pos, ops.rope_freqs(n_rot, 10000.0, 0.5))
     for fn in (ops.rope_apply, ops._rope_seq, ops._rope_par):
         y = x.copy()
         fn(y, cs, sn, neox)
         assert max_rel(y, ref) < RTOL
     y = x.copy()
-    ops.rope(y, pos, n_rot, 10000.0, neox)  # freq_scale defaults to 1
+    ops.rope(y, pos, ops.rope_freqs(n_rot, 10000.0), 1.0, neox)
     assert max_rel(y, naive.rope(x, pos, n_rot, 10000.0, neox)) < RTOL
 
 
@@ -108,7 +108,7 @@ def test_rope_tables_consecutive_positions():
     pos = np.concatenate([np.arange(99000, 99150), np.arange(5, 12)]).astype(np.int32)
     T, n_rot = pos.shape[0], 64
     cs, sn = np.empty((T, n_rot // 2), np.float32), np.empty((T, n_rot // 2), np.float32)
-    ops.rope_tables(cs, sn, pos, n_rot, 10000.0, 0.5)
+    ops.rope_tables(cs, sn, pos, ops.rope_freqs(n_rot, 10000.0, 0.5))
     theta = pos[:, None] * 0.5 * 10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)
     assert np.max(np.abs(cs - np.cos(theta))) < 1e-7
     assert np.max(np.abs(sn - np.sin(theta))) < 1e-7
@@ -127,10 +127,10 @@ def test_rope_pairs_by_hand():
     x[0, 0] = [1, 2, 3, 4]
     c, s = np.cos(1.0), np.sin(1.0)
     y = x.copy()
-    ops.rope(y, np.array([1], np.int32), 2, 10000.0, False)  # normal: pair (0, 1)
+    ops.rope(y, np.array([1], np.int32), ops.rope_freqs(2, 10000.0), 1.0, False)  # normal: pair (0, 1)
     np.testing.assert_allclose(y[0, 0], [c - 2 * s, s + 2 * c, 3, 4], rtol=1e-6)
     y = x.copy()
-    ops.rope(y, np.array([1], np.int32), 4, 10000.0, True)  # neox: pairs (0, 2), (1, 3)
+    ops.rope(y, np.array([1], np.int32), ops.rope_freqs(4, 10000.0), 1.0, True)  # neox: pairs (0, 2), (1, 3)
     c1, s1 = np.cos(10000.0 ** -0.5), np.sin(10000.0 ** -0.5)  # pair (1, 3): theta_1 = base^(-2/4)
     np.testing.assert_allclose(y[0, 0], [c - 3 * s, 2 * c1 - 4 * s1, s + 3 * c, 2 * s1 + 4 * c1],
                                rtol=1e-6)

@@ -12,6 +12,7 @@ from numba import cuda  # noqa: E402
 import naive  # noqa: E402
 from nbmoe.cuda import matmul, moe, ops  # noqa: E402
 from nbmoe.cuda.x8 import quantize_x, x8_buffers  # noqa: E402
+from nbmoe.cpu.ops import rope_freqs  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -112,10 +113,10 @@ def test_rope_attention_equals_the_two_launches(T, pos0, window, neox, n_rot, no
         out = poisoned((T, H, Dh))
         xq, xds = x8_buffers(T, H * Dh)
         if fused_launch:
-            att.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, 1e-6, n_rot, 10000.0, neox,
-                               1.0, 0.125, window, xq=xq, xds=xds)
+            att.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, 1e-6, rope_freqs(n_rot, 10000.0),
+                               1.0, neox, 0.125, window, xq=xq, xds=xds)
         else:
-            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, 1e-6, n_rot, 10000.0, neox)
+            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, 1e-6, rope_freqs(n_rot, 10000.0), 1.0, neox)
             att.attention(out, q, kc, vc, pos, 0.125, window, xq=xq, xds=xds)
         outs.append([a.copy_to_host() for a in (out, kc, vc)] +
                     [xq.copy_to_host()[:T * H * Dh // 4], xds.copy_to_host()[:T * H * Dh // 16]])

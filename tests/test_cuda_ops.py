@@ -12,6 +12,7 @@ from numba import cuda  # noqa: E402
 import naive  # noqa: E402
 from nbmoe.cuda import moe, ops  # noqa: E402
 from nbmoe.cuda.x8 import quantize_x, x8_buffers  # noqa: E402
+from nbmoe.cpu.ops import rope_freqs  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -71,7 +72,7 @@ def test_rope(neox, Dh, n_rot, small):
     x = rnd(T, H, Dh, seed=Dh)
     pos = (np.arange(T) * 3001 + 1234).astype(np.int32)   # up to ~1e4: angles need float64
     dx = dev(x)
-    ops.rope(dx, dev(pos), n_rot, 10000.0, neox, 0.5)
+    ops.rope(dx, dev(pos), rope_freqs(n_rot, 10000.0, 0.5), 1.0, neox)
     y = dx.copy_to_host()
     check("rope", y, naive.rope(x, pos, n_rot, 10000.0, neox, 0.5))
     assert np.array_equal(y[..., n_rot:], x[..., n_rot:])  # dims past n_rot untouched

@@ -68,7 +68,7 @@ def elementwise_cases(H, Hkv, Dh, D, F, T, reps, rng):
     return {
         "rms_norm": best_time(lambda: ops.rms_norm(y, x, w, 1e-6), reps),
         "add": best_time(lambda: ops.add(y, x, x), reps),
-        "rope q": best_time(lambda: ops.rope(qk, pos, Dh, 10000.0, False, 1.0), reps),
+        "rope q": best_time(lambda: ops.rope(qk, pos, ops.rope_freqs(Dh, 10000.0), 1.0, False), reps),
         "swiglu": best_time(lambda: ops.swiglu(h, gu[:, :F], gu[:, F:]), reps),
     }
 

@@ -30,6 +30,8 @@ simulator (NUMBA_ENABLE_CUDASIM=1, which the CPU-only CI uses):
                      to their size (the simulator checks).
   ld_u32_a2(a, base, off)  a 32-bit word at a 2-byte aligned offset (two 16-bit loads)
   st_f32 / st_i32(a, base, off, v)  store float32 / int32 v there (the same addressing as the loaders)
+And one host-side helper: empty(), EMPTY, the size-0 float32 device array that stands for
+"none" in an optional array argument (attention sinks, routing and product biases).
 Warp primitives need all 32 lanes of the warp to call them (as on hardware, full mask).
 In the simulator, device_fn functions stay plain Python, and the simulator's shared-array
 allocation is patched to take a lock (unlocked, simulated threads can each get their own copy).
@@ -346,3 +348,21 @@ def is_available():
     """True when kernels can run: a CUDA GPU, or the simulator."""
     return SIM or cuda.is_available()
 
+
+
+_empty = {}
+
+
+def empty():
+    """EMPTY: a float32 device array of size 0, standing for "none" in an optional array
+    argument (attention sinks, biases); one per GPU, kept (CUDA graphs hold it)."""
+    key = device_id()
+    a = _empty.get(key)
+    if a is None:
+        a = _empty[key] = cuda.device_array(0, np.float32)
+    return a
+
+
+def or_empty(a):
+    """a, or EMPTY for None: optional arrays reach the kernels as arrays, size 0 meaning none."""
+    return empty() if a is None else a

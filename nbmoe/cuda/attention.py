@@ -12,7 +12,8 @@ not from a launch argument, so a captured CUDA graph replays unchanged for every
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, expf, flash, ld_f16, shfl_idx, shfl_xor, warp_max, warp_sum
+from . import (device_fn, device_id, expf, flash, ld_f16, or_empty, shfl_idx, shfl_xor, warp_max,
+               warp_sum)
 from .x8 import quantize_lane, unused_x8
 
 f32 = np.float32
@@ -109,7 +110,8 @@ def active_splits(n, P, min_keys):
 # A warp walks its keys one after the other: latency-bound; prompts go to flash.py (query tiles
 # sharing K / V tiles in shared memory, tensor cores) where it can. Split p of the Pa in use takes
 # an equal share of the token's keys and writes (acc, max, sum) for the merge kernel; with
-# Pa == 1 it writes out.
+# Pa == 1 it writes out. A sink (sinks[h]: a logit whose value row is 0) joins once, where the
+# output is made: here when Pa == 1, else in the merge.
 # Heads past H work on head H - 1 with q = 0 and do not write: every lane reaches every shuffle.
 # out may alias q: a warp reads its q row before it writes the same row.
 # quant (Dh a multiple of 32): out is also written in 8 bits (xq, xds as x8.quantize_x,
@@ -182,7 +184,7 @@ def _attention_kernel(Dh, ROPE=False):
             vals[i + c] = ld_f16(cache, rb, 2 * d) if d < Dh else f32(0.0)
 
     @cuda.jit
-    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window,
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window, sinks,
                          min_keys, xq, xds, quant, k, v, kc16, vc16, wq, wk, eps, do_norm,
                          n_rot, neox, rope):
         H = q.shape[1]
@@ -293,6 +295,13 @@ def _attention_kernel(Dh, ROPE=False):
             m = m_new
         if h < H:
             if Pa == 1:                            # the only split: the final output
+                if sinks.shape[0] > 0:             # the sink: one more logit, value 0
+                    sk = sinks[h]
+                    m_new = max(m, sk)
+                    corr = expf(m - m_new)
+                    tot = tot * corr + expf(sk - m_new)
+                    for c in range(DPL):
+                        acc[c] *= corr
                 inv = f32(1.0) / tot
                 for c in range(DPL):
                     d = lane + 32 * c
@@ -316,9 +325,10 @@ def _attention_kernel(Dh, ROPE=False):
 # Merge of the Pa splits in use: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,
 # M = max m_p. A split that got no keys (possible at the end of a long cache) has m = -inf,
 # l = 0 and weighs 0. One thread per output value. With one split in use there is nothing to do.
+# A sink (sinks[h], when given) joins here, once: M = max(M, sink), den += exp(sink - M).
 
 @cuda.jit
-def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys, xq, xds, quant):
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, sinks, min_keys, xq, xds, quant):
     T, H, Dh = out.shape
     idx = cuda.grid(1)
     if idx >= T * H * Dh:
@@ -331,15 +341,20 @@ def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, min_keys, xq, xd
     rem = idx - t * H * Dh
     h = rem // Dh
     d = rem - h * Dh
+    sink = sinks.shape[0] > 0
     M = part_ml[0, t, h, 0]
     for p in range(1, Pa):
         M = max(M, part_ml[p, t, h, 0])
+    if sink:
+        M = max(M, sinks[h])
     num = f32(0.0)
     den = f32(0.0)
     for p in range(Pa):
         f = expf(part_ml[p, t, h, 0] - M)
         num += f * part_acc[p, t, h, d]
         den += f * part_ml[p, t, h, 1]
+    if sink:
+        den += expf(sinks[h] - M)
     out[t, h, d] = num / den
     if quant:                                      # a warp: one 32-block of out (Dh % 32 == 0)
         quantize_lane(xq, xds, idx // 32, True, num / den, cuda.threadIdx.x % 32)
@@ -355,7 +370,8 @@ def _buffer(name, shape):
     return v
 
 
-def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None):
+def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None,
+              sinks=None):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
@@ -365,17 +381,30 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     token (a CUDA graph can replay it); splits past the current keys find none and weigh 0.
     xq, xds (x8.x8_buffers of T rows of H * Dh; Dh % 32 == 0, T <= SPLIT_MAX_T): out is
     also written there in 8 bits.
+    sinks: float32 [H] device array or None / EMPTY (cuda.empty()): head h's softmax gets one
+    more logit, sinks[h] (not scaled), whose value is 0 (gpt-oss):
+      out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)).
     """
     T, H, Dh = q.shape
+    sinks = _sinks(sinks, H)
     if T == 0:
         return
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
     if FLASH and T > SPLIT_MAX_T and flash.supported(Dh):
-        flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream)
+        flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
-    _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None)
+    _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None,
+            sinks)
+
+
+def _sinks(sinks, H):
+    """sinks as a device array (EMPTY for None), checked: H values or none."""
+    sinks = or_empty(sinks)
+    if sinks.size not in (0, H) or sinks.dtype != np.float32:
+        raise ValueError(f"attention: sinks must be float32 [{H}] (one per query head) or empty")
+    return sinks
 
 
 def rope_supported(T, Dh):
@@ -384,10 +413,11 @@ def rope_supported(T, Dh):
 
 
 def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, neox,
-                   scale, window=0, stream=0, xq=None, xds=None):
+                   scale, window=0, stream=0, xq=None, xds=None, sinks=None):
     """fused.norm_rope_store(q, k, v, ...) then attention(out, q, ...) in one launch (see
     ROPE above): q [T, H, Dh], k, v [T, Hkv, Dh] as the products wrote them (q and k are not
-    written back), wq / wk the per-head norms (None: none); pos a device int32 [T]."""
+    written back), wq / wk the per-head norms (None: none); pos a device int32 [T]; sinks
+    as attention's."""
     T, H, Dh = q.shape
     if not rope_supported(T, Dh):
         raise ValueError("rope_attention: T <= SPLIT_MAX_T and Dh <= 256 only")
@@ -398,10 +428,10 @@ def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, msca
         wq = wk = _buffer("no_norm", (1,))                    # typed stand-ins, never read
     rope = (k, v, k_cache.view(np.float16), v_cache.view(np.float16), wq, wk, float(eps),
             do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))
-    _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
+    _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, _sinks(sinks, H))
 
 
-def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope):
+def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, sinks):
     T, H, Dh = q.shape
     C = k_cache.shape[0]
     cap = C if window == 0 else min(C, window)                # most keys a query can see
@@ -424,11 +454,11 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope)
         part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))     # splits p < P used
         part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
     kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, f32(scale),
-                                 int(window), MIN_SPLIT_KEYS, xq, xds, quant, *rope)
+                                 int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant, *rope)
     if P > 1:
         m = T * H * Dh
         merge_splits_kernel[(m + 127) // 128, 128, stream](
-            out, part_acc, part_ml, P, pos, int(window), MIN_SPLIT_KEYS, xq, xds, quant)
+            out, part_acc, part_ml, P, pos, int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant)
 
 
 def _no_rope():

@@ -5,7 +5,8 @@ Letters as in attention.py: T tokens, H query heads, Hkv kv heads, G = H // Hkv 
 head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G]
-    over keys j <= pos0 + t, and j > pos0 + t - window when window > 0
+    over keys j <= pos0 + t, and j > pos0 + t - window when window > 0; with sinks, one more
+    logit sinks[h] (not scaled) of value 0 in each softmax (gpt-oss)
 
 Layouts: q, out float32 [T, H, Dh] (out may alias q); k_cache, v_cache uint16 [C, Hkv, Dh] of f16
 bit patterns (a cache row: Dh f16 = Dh / 2 32-bit words of 2 f16, the lower dim in the low half,
@@ -16,7 +17,7 @@ softmax statistics and O are float32.
 import numpy as np
 from numba import cuda
 
-from . import SIM, expf, ld_f32, ld_u32, shfl_xor, st_f32
+from . import SIM, expf, ld_f32, ld_u32, or_empty, shfl_xor, st_f32
 from .mma import mma_f16_16x8x16, pack_f16x2
 
 f32 = np.float32
@@ -91,7 +92,7 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
     assert supported(Dh) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
 
     @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
-    def flash_kernel(out, q, k_cache, v_cache, pos, scale, window):
+    def flash_kernel(out, q, k_cache, v_cache, pos, scale, window, sinks):
         T, H = q.shape[0], q.shape[1]
         G = H // Hkv
         R = T * G                                     # query rows of a kv head
@@ -230,14 +231,25 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
                             o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3])
             cuda.syncthreads()
 
-        # 5. out = O / l, l summed over the row's 4 lanes
+        # 5. out = O / l, l summed over the row's 4 lanes; a sink s joins the row's softmax
+        # as a logit of value 0: M = max(m, s), out = O e^(m - M) / (l e^(m - M) + e^(s - M))
         if active:
             l_a += shfl_xor(l_a, 1)
             l_a += shfl_xor(l_a, 2)
             l_b += shfl_xor(l_b, 1)
             l_b += shfl_xor(l_b, 2)
-            inv_a = f32(1.0) / l_a
-            inv_b = f32(1.0) / l_b
+            if sinks.shape[0] > 0:
+                sk_a = sinks[hk * G + ra % G]
+                sk_b = sinks[hk * G + rb % G]
+                mm_a = max(m_a, sk_a)
+                mm_b = max(m_b, sk_b)
+                corr_a = expf(m_a - mm_a)
+                corr_b = expf(m_b - mm_b)
+                inv_a = corr_a / (l_a * corr_a + expf(sk_a - mm_a))
+                inv_b = corr_b / (l_b * corr_b + expf(sk_b - mm_b))
+            else:
+                inv_a = f32(1.0) / l_a
+                inv_b = f32(1.0) / l_b
             for n in range(DN):
                 d = 4 * (8 * n + 2 * t4)
                 if ra < R:
@@ -251,11 +263,11 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
     return _kernels[key]
 
 
-def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0):
+def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, sinks=None):
     """attention.attention for prompts: q, out [T, H, Dh] (out may alias q), pos a device int32
-    array [T]; supported(Dh) must hold."""
+    array [T], sinks float32 [H] or None / EMPTY; supported(Dh) must hold."""
     T, H, Dh = q.shape
     G = H // k_cache.shape[1]
     kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], WARPS, KEYS, MIN_BLOCKS)
     grid = ((T * G + bq - 1) // bq, k_cache.shape[1])
-    kern[grid, nth, stream](out, q, k_cache, v_cache, pos, f32(scale), int(window))
+    kern[grid, nth, stream](out, q, k_cache, v_cache, pos, f32(scale), int(window), or_empty(sinks))

@@ -29,23 +29,31 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, warp_sum
+from . import device_fn, device_id, or_empty, warp_sum
 from .matmul import MMV_WARPS, _split_k, dot8, pair_row, quantizes_x
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
-from .moe import GATING_SOFTMAX, experts_per_lane, topk_warp_fn
-from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu
+from .moe import MAX_GROUPS, experts_per_lane, route_args, topk_warp_fn
+from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu, _swiglu_oai
 from .quants import qtype_info, unit_cols
 from .scratch import cached
 from .x8 import quantize_word
 
 f32 = np.float32
 i32 = np.int32
-ACT_SILU, ACT_GELU = 0, 1
+ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2     # the GLU kinds (ops.swiglu, geglu, swiglu_oai)
 
 
 @device_fn
-def _act(g, act):
-    return _silu(g) if act == ACT_SILU else _gelu(g)
+def _glu(g, u, act):
+    """The GLU of one gate / up pair: act(g) * u, or gpt-oss's clamped form of both."""
+    if act == ACT_SWIGLU_OAI:
+        return _swiglu_oai(g, u)
+    return (_silu(g) if act == ACT_SILU else _gelu(g)) * u
+
+
+def _check_act(act):
+    if act not in (ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI):
+        raise ValueError(f"glu: unknown activation {act} (0 silu, 1 gelu, 2 swiglu_oai)")
 
 
 # ---------------------------------------------------------------- products_q8
@@ -118,7 +126,7 @@ def _glu_kernel(qtype, experts, V):
                 g = warp_sum(acc[0])
                 u = warp_sum(acc[1])
                 if lane == 0 and r < M:
-                    out[t, a, r] = _act(g, act) * u
+                    out[t, a, r] = _glu(g, u, act)
             return glu_id_q8_kernel
 
         @cuda.jit
@@ -136,14 +144,16 @@ def _glu_kernel(qtype, experts, V):
             g = warp_sum(acc[0])
             u = warp_sum(acc[1])
             if lane == 0 and r < M:
-                out[t, r] = _act(g, act) * u
+                out[t, r] = _glu(g, u, act)
         return glu_q8_kernel
     return cached(("glu_q8", int(qtype), experts, V, chunk_units(qtype)), build)
 
 
 def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
-    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T), x [T, K] in 8 bits; act ACT_SILU / ACT_GELU."""
+    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T), x [T, K] in 8 bits; act ACT_SILU / ACT_GELU
+    (ACT_SWIGLU_OAI: ops.swiglu_oai of the two products)."""
     T, M = out.shape
+    _check_act(act)
     _glu_kernel(qtype, False, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
         out, wg, wu, xq, xds, wg.shape[1], K, act)
 
@@ -151,6 +161,7 @@ def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
 def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
     """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB])."""
     T, A, M = out.shape
+    _check_act(act)
     _glu_kernel(qtype, True, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
         out, wg, wu, xq, xds, ids, X, wg.shape[2], K, act)
 
@@ -205,7 +216,8 @@ def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=Fa
 # ---------------------------------------------------------------- norm_route
 # One token's MoE routing in one launch (T = 1), for a router of a float type (the path
 # matmul takes for it, mul_mat_vec_kernel):
-#   h = x / sqrt(mean(x^2) + eps) * wn,  logits = h @ Wr^T,  ids, weights = top-k of logits,
+#   h = x / sqrt(mean(x^2) + eps) * wn,  logits = h @ Wr^T [+ b],  ids, weights = top-k of logits
+#   (moe.topk_route, any of its variants),
 # and h also in 8 bits (xq, xds) for the experts' products. Grid: ceil(E / (8 / S)) blocks of
 # 256 threads = 8 warps, S warps an expert row (matmul._split_k's S). Each block computes the
 # norm itself into shared memory (x is a few KB, re-read from L2 by every block), then its
@@ -237,8 +249,8 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
     def build():
         @cuda.jit
         def norm_route_kernel(h, xq, xds, x, wn, eps, nth, wr, RB, logits, ids, weights,
-                              counter, norm, gating, h_host, ids_host, weights_host, mirror,
-                              flag, signal):
+                              counter, norm, gating, w_scale, bias, n_group, topk_group, lbias,
+                              h_host, ids_host, weights_host, mirror, flag, signal):
             hs = cuda.shared.array(ROUTE_MAX_D, f32)
             sh = cuda.shared.array(32, f32)
             part = cuda.shared.array(8, f32)
@@ -324,7 +336,7 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
             tot = warp_sum(acc)
             if S == 1:
                 if lane == 0 and r < E:
-                    logits[0, r] = tot
+                    logits[0, r] = tot + lbias[r] if lbias.shape[0] > 0 else tot
             else:
                 if lane == 0:
                     part[wy] = tot
@@ -333,7 +345,7 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
                     tot = part[wy]
                     for q in range(1, S):
                         tot += part[wy + q]
-                    logits[0, r] = tot
+                    logits[0, r] = tot + lbias[r] if lbias.shape[0] > 0 else tot
             cuda.threadfence()                     # this block's logits, seen by all
             cuda.syncthreads()
             if tid == 0:
@@ -342,8 +354,10 @@ def _norm_route_kernel(wtype, WORDS, WPT, S, EPL):
             if last[0] == 1:
                 if wy == 0:
                     lv = cuda.local.array(EPL, f32)
+                    sv = cuda.local.array(EPL, f32)
                     taken = cuda.local.array(EPL, i32)
-                    topk_warp(ids, weights, logits, 0, True, lane, lv, taken, norm, gating)
+                    topk_warp(ids, weights, logits, 0, True, lane, lv, sv, taken, norm, gating,
+                              w_scale, bias, n_group, topk_group)
                     if mirror and lane < ids.shape[1]:    # this lane's own writes, read back
                         ids_host[0, lane] = ids[0, lane]
                         weights_host[0, lane] = weights[0, lane]
@@ -365,10 +379,12 @@ _counters = {}
 
 
 def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, stream=0,
-               mirror=None, signal=None):
+               mirror=None, signal=None, gating=0, scale=1.0, bias=None, n_group=0,
+               topk_group=0, logit_bias=None):
     """One token: h [1, D] = rms_norm(x [1, D]) * wn, also in 8 bits into (xq, xds)
     (x8.x8_buffers(1, D)); logits [1, E] = h @ dequant(wr [E, row_bytes])^T (a float
-    type); ids [1, A], weights [1, A] = moe.topk_route(logits, norm) (softmax gating).
+    type) [+ logit_bias [E], the router's bias]; ids [1, A], weights [1, A] =
+    moe.topk_route(logits, norm, gating, scale, bias, n_group, topk_group).
     mirror: (h, ids, weights) arrays of the same shapes (mapped host memory for the CPU, see
     scheduler.mirror_candidates) that get the same values too. signal: an int32 [1] array in
     mapped host memory set to 1 once ids, weights and the mirrors are visible to the host (the
@@ -381,6 +397,10 @@ def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, st
     wpt = 1
     while wpt * nth < D // 4:
         wpt *= 2
+    route = route_args(E, ids.shape[1], gating, scale, bias, n_group, topk_group, "norm_route")
+    lbias = or_empty(logit_bias)
+    if lbias.size not in (0, E):
+        raise ValueError(f"norm_route: the router bias must be [{E}] or empty")
     S = _split_k(E, D)
     key = device_id()
     if key not in _counters:
@@ -388,7 +408,7 @@ def norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, weights, norm, st
     rpb = (ROUTE_THREADS // 32) // S
     _norm_route_kernel(wtype, words, wpt, S, experts_per_lane(E))[(E + rpb - 1) // rpb, ROUTE_THREADS, stream](
         h, xq, xds, x, wn, float(eps), nth, wr, wr.shape[1], logits, ids, weights,
-        _counters[key], bool(norm), GATING_SOFTMAX, *(mirror or (h, ids, weights)), mirror is not None,
+        _counters[key], bool(norm), *route, lbias, *(mirror or (h, ids, weights)), mirror is not None,
         _counters[key] if signal is None else signal, signal is not None)
 
 
@@ -396,6 +416,13 @@ def route_supported(wtype, D, E, A):
     """Whether norm_route takes a router of this type and these sizes (float types only:
     the other types' routers take matmul's 8-bit path, which norm_route does not repeat)."""
     return not quantizes_x(wtype, 1, D) and D % 32 == 0 and D <= ROUTE_MAX_D and A <= min(32, E)
+
+
+def route_supports(gating, has_bias, n_group):
+    """Whether norm_route takes this routing variant: every gating (0 softmax, 1 sigmoid,
+    2 softmax over the chosen), with or without a selection bias, up to MAX_GROUPS expert
+    groups (the sizes are route_supported's and moe.route_args' to check)."""
+    return gating in (0, 1, 2) and n_group <= MAX_GROUPS
 
 
 # ---------------------------------------------------------------- norm_rope_store

@@ -10,6 +10,8 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, device_fn, expf, warp_sum
+from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 from .x8 import quantize_word, unused_x8
 
 f32 = np.float32
@@ -313,3 +315,100 @@ def geglu(out, gate, up, stream=0):
     n = out.size
     if n:
         geglu_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+
+
+# ---------------------------------------------------------------- swiglu_oai (gpt-oss)
+# out[N, F] = x * sigmoid(alpha x) * (y + 1),  x = min(gate, limit),  y = clamp(up, -limit, limit)
+# (ggml's swiglu_oai). Strides and aliasing as swiglu. One thread per element.
+_OAI_ALPHA = f32(SWIGLU_OAI_ALPHA)
+_OAI_LIMIT = f32(SWIGLU_OAI_LIMIT)
+
+
+@device_fn
+def _swiglu_oai(g, u):
+    x = min(g, _OAI_LIMIT)
+    y = min(max(u, -_OAI_LIMIT), _OAI_LIMIT)
+    return x / (f32(1.0) + expf(-(_OAI_ALPHA * x))) * (y + f32(1.0))
+
+
+@cuda.jit
+def swiglu_oai_kernel(out, gate, up):
+    F = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * F:
+        r = idx // F
+        c = idx - r * F
+        out[r, c] = _swiglu_oai(gate[r, c], up[r, c])
+
+
+def swiglu_oai(out, gate, up, stream=0):
+    """out[N, F] = gpt-oss's clamped SwiGLU of gate and up; out may alias gate or up."""
+    n = out.size
+    if n:
+        swiglu_oai_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+
+
+# ---------------------------------------------------------------- biases, gated rows
+# add_bias     out[T, M] = x + b[M]                   (q/k/v/o, router biases)
+# add_bias_id  out[T, A, M] = x + b[ids[t, a], M]     (experts' biases, b [E, M])
+# sigmoid_mul  out[T, M] = x * sigmoid(g[t, 0])       (a gated row, g [T, 1])
+# out may alias x (each thread reads then writes its own element). One thread per element.
+
+@cuda.jit
+def add_bias_kernel(out, x, b):
+    M = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * M:
+        t = idx // M
+        m = idx - t * M
+        out[t, m] = x[t, m] + b[m]
+
+
+@cuda.jit
+def add_bias_id_kernel(out, x, b, ids):
+    A, M = out.shape[1], out.shape[2]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * A * M:
+        ta = idx // M
+        m = idx - ta * M
+        t = ta // A
+        a = ta - t * A
+        out[t, a, m] = x[t, a, m] + b[ids[t, a], m]
+
+
+@cuda.jit
+def sigmoid_mul_kernel(out, x, g):
+    M = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * M:
+        t = idx // M
+        m = idx - t * M
+        out[t, m] = x[t, m] * (f32(1.0) / (f32(1.0) + expf(-g[t, 0])))
+
+
+def add_bias(out, x, b, stream=0):
+    """out [T, M] = x + b (b [M]); out may alias x."""
+    if b.shape != (out.shape[1],) or x.shape != out.shape:
+        raise ValueError(f"add_bias: x {x.shape}, b {b.shape}, out {out.shape}: want [T, M], [M]")
+    n = out.size
+    if n:
+        add_bias_kernel[_blocks(n, THREADS), THREADS, stream](out, x, b)
+
+
+def add_bias_id(out, x, b, ids, stream=0):
+    """out [T, A, M] = x + b[ids[t, a]] (b [E, M], ids [T, A] int32); out may alias x."""
+    if x.shape != out.shape or ids.shape != out.shape[:2] or b.shape[1:] != out.shape[2:]:
+        raise ValueError(f"add_bias_id: x {x.shape}, b {b.shape}, ids {ids.shape}, out {out.shape}:"
+                         " want [T, A, M], [E, M], [T, A]")
+    n = out.size
+    if n:
+        add_bias_id_kernel[_blocks(n, THREADS), THREADS, stream](out, x, b, ids)
+
+
+def sigmoid_mul(out, x, g, stream=0):
+    """out [T, M] = x * sigmoid(g[t, 0]) (g [T, 1]); out may alias x."""
+    if x.shape != out.shape or g.shape != (out.shape[0], 1):
+        raise ValueError(f"sigmoid_mul: x {x.shape}, g {g.shape}, out {out.shape}: want [T, M], [T, 1]")
+    n = out.size
+    if n:
+        sigmoid_mul_kernel[_blocks(n, THREADS), THREADS, stream](out, x, g)
