@@ -197,7 +197,10 @@ class FusionBinders:
                                           int(topk.params["k"]))
 
     def _bind_norm_route(self, members, buf, state):
-        norm, router, topk = members
+        norm, router, topk = members[0], members[1], members[-1]
+        route = _route_args(self, topk)
+        if len(members) == 4:                  # the router's bias
+            route["logit_bias"] = self.vector(members[2].weight)
         wn, eps = self.vector(norm.weight), norm.params["eps"]
         x, h = _rows2d(buf[norm.srcs[0]]), _rows2d(buf[norm.out])
         wr, wtype = self.weight(router.weight)
@@ -218,11 +221,11 @@ class FusionBinders:
         def run():
             xq, xds = x8.x8_buffers(1, D)     # (at run time: the buffers grow while binding)
             fused.norm_route(h, xq, xds, x, wn, eps, wr, wtype, logits, ids, wts, flag, mirror=mirror,
-                             signal=signal["flag"])
+                             signal=signal["flag"], **route)
         run.mirrors = names
         if mirror is not None:                # the CPU reads these next: it may wait for a flag
             run.signal = signal
-        return [None, None, _labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
+        return [None] * (len(members) - 1) + [_labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
 
     def _bind_rope_attn(self, members, buf, state):
         attn_node, rope = members[-1], members[-2]
@@ -234,6 +237,7 @@ class FusionBinders:
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         p, a = rope.params, attn_node.params
         fused, attn, x8, cell = self.fused, self.attn, self.x8, {}
+        sinks = self.sinks(attn_node)
         T, H, Dh = q.shape
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
             self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
@@ -242,7 +246,8 @@ class FusionBinders:
             def rope_attention():
                 xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
                 attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"],
-                                    p["mscale"], p["neox"], a["scale"], a["window"], xq=xq, xds=xds)
+                                    p["mscale"], p["neox"], a["scale"], a["window"], xq=xq, xds=xds,
+                                    sinks=sinks)
             return [None] * (len(members) - 1) + [_labelled(rope_attention, "QK_NORM+ROPE+ATTN")]
 
         def norm_rope_store():
@@ -250,6 +255,16 @@ class FusionBinders:
 
         def attention():
             xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
-            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds)
+            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds, sinks=sinks)
         return ([None] * (len(members) - 2) + [_labelled(norm_rope_store, "QK_NORM+ROPE+KV_STORE")]
                 + [_labelled(attention, "ATTN")])
+
+
+def _route_args(backend, topk):
+    """TOPK_MOE's variant as norm_route's keywords (the gating codes of the kernels)."""
+    from nbmoe.backends.cpu import GATING_CODES
+    p = topk.params
+    n_group, topk_group = p.get("groups", (0, 0))
+    bias = backend.vector(topk.weight) if topk.weight else None
+    return dict(gating=GATING_CODES[p.get("gating", "softmax")], scale=float(p.get("scale", 1.0)),
+                bias=bias, n_group=n_group, topk_group=topk_group)

@@ -194,11 +194,13 @@ def tests(args):
 
 
 def explain(llm, ubatch):
-    from nbmoe.sched.explain import legend, placement_table, schedule_table
+    from nbmoe.sched.explain import legend, placement_table, schedule_table, unfused_lines
     console = Console(stderr=True, width=200)
     console.print(placement_table(llm.placement))
     console.print(schedule_table(llm, sorted({1, ubatch})))
     console.print(legend())
+    for line in unfused_lines(llm, sorted({1, ubatch})):
+        console.print(line, highlight=False)
 
 
 def show_timings(llm, kind, n, n_batch, rng):

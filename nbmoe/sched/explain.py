@@ -65,6 +65,35 @@ def schedule_table(llm, batches):
     return t
 
 
+def unfused_lines(llm, batches):
+    """One line per batch size and backend naming the node variants that no fused kernel of
+    that backend computes (they run on the plain path: fusion.FUSED_SUPPORT)."""
+    from nbmoe.sched.fusion import unfused
+    lines = []
+    for n in batches:
+        nodes = llm.plan(n, 1).graph.nodes
+        for backend in sorted({node.backend for node in nodes}):
+            count = Counter(_variant(node) for node in unfused(nodes, backend))
+            if count:
+                lines.append(f"unfused (batch {n}, {backend}): " +
+                             ", ".join(f"{v} x{k}" for v, k in sorted(count.items())))
+    return lines
+
+
+def _variant(node):
+    p = node.params
+    if node.op == "GLU":
+        return f"GLU {p['act']}"
+    if node.op == "ATTN":
+        return "ATTN with sinks"
+    if node.op in ("ADD_BIAS", "ADD_BIAS_ID"):
+        return f"{node.op} ({node.weight.split('.', 2)[-1]})"
+    if node.op == "TOPK_MOE":
+        return f"TOPK_MOE {p.get('gating')}" + (" + selection bias" if node.weight else "") + (
+            f" groups {p['groups'][0]}/{p['groups'][1]}" if p.get("groups", (0, 0))[0] else "")
+    return node.op
+
+
 def legend():
     return "causes: " + "; ".join(f"{k} = {v}" for k, v in CAUSES.items())
 

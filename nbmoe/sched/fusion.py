@@ -10,7 +10,7 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
-  norm_route    RMS_NORM x -> h, the router MUL_MAT of h, TOPK_MOE of it          T = 1
+  norm_route    RMS_NORM x -> h, the router MUL_MAT of h, [ADD_BIAS], TOPK_MOE     T = 1
                 (route_ok(norm, router, topk): the backend's kernel takes them)
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
   attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
@@ -35,7 +35,8 @@ BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 # The variants the fused kernels compute, per backend kind and op: every member of a group must
 # pass its op's test, else the group is not formed and its nodes run on the plain path (each
-# op's own kernel, which runs every variant). Ops not listed pass.
+# op's own kernel, which runs every variant). Ops not listed pass; an op no group takes is
+# listed as False so that --explain names it.
 def _plain_route(node):
     p = node.params
     return (p.get("gating", "softmax") == "softmax" and p.get("scale", 1.0) == 1.0
@@ -45,10 +46,13 @@ def _plain_route(node):
 FUSED_SUPPORT = {
     "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu"),
             "ATTN": lambda n: not n.params.get("sinks"),
-            "TOPK_MOE": _plain_route},
-    "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu"),
-             "ATTN": lambda n: not n.params.get("sinks"),
-             "TOPK_MOE": _plain_route},
+            "TOPK_MOE": _plain_route,
+            "ADD_BIAS": lambda n: False, "ADD_BIAS_ID": lambda n: False,
+            "SIGMOID_MUL": lambda n: False},
+    "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
+             "TOPK_MOE": lambda n: n.params.get("groups", (0, 0))[0] <= 32,
+             "ADD_BIAS": lambda n: n.weight.endswith("ffn_gate_inp.bias"),   # in norm_route
+             "ADD_BIAS_ID": lambda n: False, "SIGMOID_MUL": lambda n: False},
 }
 
 
@@ -106,11 +110,15 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
     n0, n1, n2 = at(0), at(1), at(2)
     if n0 is None or n0.backend != backend:
         return None
-    if ("norm_route" in kinds and T == 1 and n2 is not None and n0.op == "RMS_NORM"
+    # [the router's bias between the product and the routing]
+    bias = n2 if n2 is not None and n2.op == "ADD_BIAS" and n2.srcs == (n1.out,) == (n2.out,) else None
+    route = at(3) if bias else n2
+    if ("norm_route" in kinds and T == 1 and route is not None and n0.op == "RMS_NORM"
             and "src_rows" not in n0.params and n1.op == "MUL_MAT" and n1.srcs == (n0.out,)
-            and n2.op == "TOPK_MOE" and n2.srcs == (n1.out,) and n1.cause == "wgt"
-            and n1.backend == n2.backend == backend and route_ok(n0, n1, n2)):
-        return "norm_route", [n0, n1, n2]
+            and route.op == "TOPK_MOE" and route.srcs == (n1.out,) and n1.cause == "wgt"
+            and all(n.backend == backend for n in (n1, route) + ((bias,) if bias else ()))
+            and route_ok(n0, n1, route)):
+        return "norm_route", [n0, n1] + ([bias] if bias else []) + [route]
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
         if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
