@@ -309,8 +309,9 @@ def test_fused_glu_id_swiglu_oai(T):
     E, A, F, D = 5, 2, 37, 64
     wg, wu, x = _w(E, F, D, seed=4), _w(E, F, D, seed=5), rnd(T, 1, D, seed=6, scale=4.0)
     ids = np.array([[0, 3], [4, 0], [2, 1]][:T], np.int32)
-    gf, uf = _f(wg)[ids] @ x[:, 0, :, None], _f(wu)[ids] @ x[:, 0, :, None]   # [T, A, F, 1]
-    ref = naive.swiglu_oai(gf[..., 0], uf[..., 0])
+    gf = np.einsum("tafd,td->taf", _f(wg)[ids], x[:, 0])             # [T, A, F]
+    uf = np.einsum("tafd,td->taf", _f(wu)[ids], x[:, 0])
+    ref = naive.swiglu_oai(gf, uf)
     g, u = np.empty((T, A, F), np.float32), np.empty((T, A, F), np.float32)
     matmul.mul_mat_id(g, wg, x, ids, QT)
     matmul.mul_mat_id(u, wu, x, ids, QT)

@@ -12,7 +12,7 @@ Sinks (gpt-oss): sinks [H] float32, or a size-0 array for none. Head h's softmax
 more term, a key of logit sinks[h] (not scaled) and value zero:
     out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),
     m = max(max_j s_j, sinks[h]).
-It changes only the final normalisation, done once per row (_sink_norm).
+It changes only the final normalisation, done once per row (attention_flash.sink_norm).
 
 Prompts (T > 1) go to the tiled kernel in attention_flash.py; generation (T = 1) to the
 decode kernel here, which reads the cache directly (each key and value is used G times only,
@@ -162,18 +162,6 @@ def _load_q(qp, q, g, G, scale):
             qp[a, i] = src[i] * s
 
 
-@njit(cache=True, error_model="numpy")
-def _sink_norm(m, l, sinks, h):
-    """(f, inv): out = acc * f * inv normalises a row of running max m and sum l, with head
-    h's sink joining the sum when there are sinks (f = 1, inv = 1 / l without)."""
-    if sinks.shape[0] == 0:
-        return np.float32(1.0), np.float32(1.0) / l
-    s = sinks[h]
-    mn = max(m, s)
-    f = exp_f32(m - mn)
-    return f, np.float32(1.0) / (l * f + exp_f32(s - mn))
-
-
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """T == 1, one kv head after another."""
@@ -190,11 +178,10 @@ def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):
         _load_q(qp, q, g, G, scale)
         _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s)
         for a in range(G):
-            f, inv = _sink_norm(ml[a, 0], ml[a, 1], sinks, g * G + a)
-            fi = f * inv
+            inv = flash.sink_norm(ml[a, 0], ml[a, 1], sinks, g * G + a)
             o = out[0, g * G + a]
             for i in range(Dh):
-                o[i] = acc[a, i] * fi
+                o[i] = acc[a, i] * inv
 
 
 @njit(cache=True, error_model="numpy", parallel=True)

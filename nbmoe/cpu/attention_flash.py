@@ -135,6 +135,19 @@ def _pv(O, P, Vc, alpha, Mp, nk, Dh):
                 O[m0 + r, i] = o
 
 
+@njit(cache=True, error_model="numpy")
+def sink_norm(m, l, sinks, h):
+    """The factor that normalises a row of running max m and sum l: 1 / l, or with head h's
+    sink (sinks of size > 0) f / (l f + exp(sinks[h] - m')), m' = max(m, sinks[h]),
+    f = exp(m - m') (the row's terms rescaled to m')."""
+    if sinks.shape[0] == 0:
+        return np.float32(1.0) / l
+    s = sinks[h]
+    mn = _maxnum(m, s)
+    f = exp_f32(m - mn)
+    return f / (l * f + exp_f32(s - mn))
+
+
 # ---------------------------------------------------------------- one query tile
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
@@ -186,11 +199,7 @@ def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g,
         _pv(O, St, Vc, stats[2], Mp, nk, Dh)
     for m in range(M):
         h = g * G + m % G
-        inv = np.float32(1.0) / stats[1, m]
-        if sinks.shape[0] > 0:  # the sink's term: logit sinks[h], value zero
-            mn = _maxnum(stats[0, m], sinks[h])
-            f = exp_f32(stats[0, m] - mn)
-            inv = f / (stats[1, m] * f + exp_f32(sinks[h] - mn))
+        inv = sink_norm(stats[0, m], stats[1, m], sinks, h)
         dst = out[t0 + m // G, h]
         for i in range(Dh):
             dst[i] = O[m, i] * inv
