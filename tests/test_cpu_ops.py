@@ -286,10 +286,11 @@ def test_topk_route_by_hand():
 def test_topk_route(T, E, A, norm, gating):
     logits = rnd(T, E, seed=E + A, scale=3.0)
     ref_ids, ref_w = naive.topk_route(logits, A, norm, gating)
-    for fn in (moe.topk_route, moe._route_seq, moe._route_par):
+    for fn in (moe.topk_route, moe._plain_seq, moe._plain_par, moe._biased_seq, moe._biased_par):
         ids = np.empty((T, A), np.int32)
         w = np.empty((T, A), np.float32)
-        fn(ids, w, logits, norm, gating, 1.0, ops.EMPTY, 0, 0)
+        args = (ids, w, logits, norm, gating, 1.0)
+        fn(*args) if "plain" in fn.__name__ else fn(*args, ops.EMPTY, 0, 0)   # both paths
         assert np.array_equal(ids, ref_ids)
         assert max_rel(w, ref_w) < RTOL
 

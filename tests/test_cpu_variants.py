@@ -167,10 +167,15 @@ def test_topk_route_variants(T, groups, bias, norm, gating):
     b = readonly(rnd(E, seed=3, scale=0.5)) if bias else None
     scale = 2.5
     ref_ids, ref_w = naive.topk_route(logits, A, norm, gating, scale, b, *groups)
-    for fn in (moe.topk_route, moe._route_seq, moe._route_par):
+    for fn in (moe.topk_route, moe._biased_seq, moe._biased_par):
         ids, w = _route(fn, logits, A, norm, gating, scale, b, *groups)
         assert np.array_equal(ids, ref_ids), fn
         assert max_rel(w, ref_w) < RTOL, fn
+    if not bias and groups[0] == 0:       # the plain path too
+        for fn in (moe._plain_seq, moe._plain_par):
+            ids, w = np.empty((T, A), np.int32), np.empty((T, A), np.float32)
+            fn(ids, w, logits, norm, gating, scale)
+            assert np.array_equal(ids, ref_ids) and max_rel(w, ref_w) < RTOL, fn
 
 
 def test_topk_route_defaults_are_the_plain_softmax():
@@ -211,6 +216,24 @@ def test_topk_route_norm_floor():
     ids, w = _route(moe.topk_route, logits, 2, True, 1, 1.0, None, 0, 0)
     sig = 1.0 / (1.0 + np.exp(20.0 + np.array([0.0, 1.0])))
     np.testing.assert_allclose(w[0], sig / 2.0 ** -14, rtol=1e-5)
+
+
+def test_route_from_njit():
+    """moe.route with a constant `plain` (as moe_block's) links one path; a bias on the plain
+    path is refused."""
+    from numba import njit
+
+    @njit
+    def plain(ids, w, logits, bias):
+        moe.route(True, ids, w, logits, True, 0, 1.0, bias, 0, 0)
+
+    logits = rnd(2, 16, seed=4)
+    ids, w = np.empty((2, 3), np.int32), np.empty((2, 3), np.float32)
+    plain(ids, w, logits, ops.EMPTY)
+    ref_ids, ref_w = naive.topk_route(logits, 3, True)
+    assert np.array_equal(ids, ref_ids) and max_rel(w, ref_w) < RTOL
+    with pytest.raises(ValueError):
+        plain(ids, w, logits, readonly(np.zeros(16, np.float32)))
 
 
 def test_topk_route_bad_groups_raise():

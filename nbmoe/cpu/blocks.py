@@ -95,14 +95,15 @@ def _ffn_block_kernel(qtypes, int8s, act):
 ffn_block = entry(_ffn_block_kernel, "x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act")
 
 
-def _moe_block_kernel(qtypes, int8s):
+def _moe_block_kernel(qtypes, int8s, plain_route):
     """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
     h = ffn_norm(x), e_a and wts = the routing of the router's logits h @ Wr^T (moe.route:
     norm_topk, gating, scale, bias, n_group, topk_group).
 
     h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
     norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
-    (one type), down; n_workers: the expert products' (numba.get_num_threads()).
+    (one type), down; n_workers: the expert products' (numba.get_num_threads()); plain_route
+    (moe.is_plain): the routing path compiled in.
     """
     qt_r, qt_gu, qt_d = qtypes
     i8_r, i8_gu, i8_d = int8s
@@ -113,7 +114,8 @@ def _moe_block_kernel(qtypes, int8s):
         ffn_norm, post_norm = norms
         ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
         mat_vec(logits, wr, h, qt_r, i8_r, steps[0])                     # [1, E]
-        moe.route(ids, wts, logits, norm_topk, gating, scale, bias, n_group, topk_group)  # [1, A]
+        moe.route(plain_route, ids, wts, logits, norm_topk, gating, scale, bias, n_group,
+                  topk_group)                                             # [1, A]
         _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
                         steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
         down_combine(f, wd, g, ids, wts, qt_d, i8_d, steps[2], n_workers)    # [1, D]
@@ -122,6 +124,16 @@ def _moe_block_kernel(qtypes, int8s):
     return moe_block
 
 
-moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
-                  "qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, n_group, "
-                  "topk_group")
+_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
+                   "qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, n_group, "
+                   "topk_group, plain_route")
+
+
+def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
+              norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
+    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
+               norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
+               moe.is_plain(bias, n_group))
+
+
+moe_block.__doc__ = _moe_block_kernel.__doc__

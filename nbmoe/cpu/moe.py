@@ -14,12 +14,15 @@ Routing (llama.cpp's build_moe_ffn), per token:
             divided by their sum if norm (the sum clamped below at 2^-14, as llama.cpp), times scale
 Ties rank the lower expert (or group) index first; NaN scores rank as -inf. Without bias and
 groups every mode's score is monotone in the logit, so the logits are compared directly (the
-fast path; it also avoids ties that rounding creates among tiny probabilities).
+plain path, route_plain; it also avoids ties that rounding creates among tiny probabilities).
+The biased path (route_biased) is a separate kernel: models without bias or groups never
+compile it.
 """
 import numpy as np
 from numba import njit, prange
 
 from .ops import EMPTY, PAR_MIN_ELEMS, exp_f32
+from .specialize import ConstantArgs
 
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 0, 1, 2
 
@@ -169,49 +172,83 @@ def _route_token_biased(ids, wts, logits, norm, gating, scale, bias, n_group, to
 
 
 @njit(cache=True, error_model="numpy")
-def _route_seq(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
-    if bias.shape[0] == 0 and n_group <= 1:
-        for t in range(logits.shape[0]):
-            _route_token(ids[t], weights[t], logits[t], norm, gating, scale)
-    else:
-        p, sel = np.empty(logits.shape[1], np.float32), np.empty(logits.shape[1], np.float32)
-        for t in range(logits.shape[0]):
-            _route_token_biased(ids[t], weights[t], logits[t], norm, gating, scale, bias, n_group,
-                                topk_group, p, sel)
+def _plain_seq(ids, weights, logits, norm, gating, scale):
+    for t in range(logits.shape[0]):
+        _route_token(ids[t], weights[t], logits[t], norm, gating, scale)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _route_par(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
-    plain = bias.shape[0] == 0 and n_group <= 1
+def _plain_par(ids, weights, logits, norm, gating, scale):
     for t in prange(logits.shape[0]):
-        if plain:
-            _route_token(ids[t], weights[t], logits[t], norm, gating, scale)
-        else:
-            p, sel = np.empty(logits.shape[1], np.float32), np.empty(logits.shape[1], np.float32)
-            _route_token_biased(ids[t], weights[t], logits[t], norm, gating, scale, bias, n_group,
-                                topk_group, p, sel)
+        _route_token(ids[t], weights[t], logits[t], norm, gating, scale)
 
 
 @njit(cache=True, error_model="numpy")
-def route(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
-    """topk_route with every argument given (the kernel; @njit callers call this one)."""
-    T, E = logits.shape
-    A = ids.shape[1]
+def _biased_seq(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
+    p, sel = np.empty(logits.shape[1], np.float32), np.empty(logits.shape[1], np.float32)
+    for t in range(logits.shape[0]):
+        _route_token_biased(ids[t], weights[t], logits[t], norm, gating, scale, bias, n_group,
+                            topk_group, p, sel)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _biased_par(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
+    for t in prange(logits.shape[0]):
+        p, sel = np.empty(logits.shape[1], np.float32), np.empty(logits.shape[1], np.float32)
+        _route_token_biased(ids[t], weights[t], logits[t], norm, gating, scale, bias, n_group,
+                            topk_group, p, sel)
+
+
+@njit(cache=True, error_model="numpy")
+def route_plain(ids, weights, logits, norm, gating, scale):
+    """topk_route without bias or groups (the common path: only this one is compiled)."""
+    if ids.shape[1] > logits.shape[1]:
+        raise ValueError("topk_route: more chosen experts than experts")
+    if logits.shape[0] >= ROUTE_PAR_MIN_T:
+        _plain_par(ids, weights, logits, norm, gating, scale)
+    else:
+        _plain_seq(ids, weights, logits, norm, gating, scale)
+
+
+@njit(cache=True, error_model="numpy")
+def route_biased(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
+    """topk_route with a selection bias and/or expert groups."""
+    E, A = logits.shape[1], ids.shape[1]
     if A > E or bias.shape[0] not in (0, E):
         raise ValueError("topk_route: more chosen experts than experts, or a bias not of size E")
     if n_group > 1 and (E % n_group != 0 or topk_group < 1 or topk_group > n_group
                         or topk_group * (E // n_group) < A):
         raise ValueError("topk_route: the expert groups do not divide E or hold fewer than A experts")
-    if T >= ROUTE_PAR_MIN_T:
-        _route_par(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
+    if logits.shape[0] >= ROUTE_PAR_MIN_T:
+        _biased_par(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
     else:
-        _route_seq(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
+        _biased_seq(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
+
+
+def is_plain(bias, n_group):
+    """Whether routing takes the plain path (no selection bias, no expert groups)."""
+    return bias.shape[0] == 0 and n_group <= 1
+
+
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+def route(plain, ids, weights, logits, norm, gating, scale, bias, n_group, topk_group):
+    """topk_route for @njit callers; plain (a constant: is_plain) picks the path, so that a
+    caller compiles only its own."""
+    if plain:
+        if bias.shape[0] > 0 or n_group > 1:
+            raise ValueError("topk_route: a bias or expert groups on the plain routing path")
+        route_plain(ids, weights, logits, norm, gating, scale)
+    else:
+        route_biased(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
 
 
 def topk_route(ids, weights, logits, norm, gating=0, scale=1.0, bias=EMPTY, n_group=0, topk_group=0):
     """ids [T, A] int32, weights [T, A] <- the A best experts of logits [T, E] and their weights
     (see the module's docstring); bias [E] or EMPTY."""
-    route(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
+    if is_plain(bias, n_group):
+        route_plain(ids, weights, logits, norm, gating, scale)
+    else:
+        route_biased(ids, weights, logits, norm, gating, scale, bias, n_group, topk_group)
 
 
 # ---------------------------------------------------------------- moe_combine
