@@ -44,6 +44,14 @@ def geglu(gate, up):
     return gelu_tanh(gate.astype(np.float64)) * up
 
 
+def swiglu_oai(gate, up, alpha=1.702, limit=7.0):
+    """gpt-oss: x = min(gate, limit), y = clamp(up, -limit, limit), x * sigmoid(alpha x) * (y + 1)."""
+    x = np.minimum(gate.astype(np.float64), limit)
+    y = np.clip(up.astype(np.float64), -limit, limit)
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
 def softmax(x, axis=-1):
     x = x.astype(np.float64)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
@@ -55,11 +63,12 @@ def f16_round(x):
     return x.astype(np.float16).astype(np.float64)
 
 
-def attention(q, k_all, v_all, pos0, scale, window=0):
+def attention(q, k_all, v_all, pos0, scale, window=0, sinks=None):
     """Causal GQA attention. q [T, H, Dh]; k_all, v_all [n_ctx, Hkv, Dh] (float64, cache values).
 
     Token t (position pos0 + t) attends to positions j <= pos0 + t, and j > pos0 + t - window
-    when window > 0. Query head h uses kv head h // (H // Hkv).
+    when window > 0. Query head h uses kv head h // (H // Hkv). sinks [H]: one more softmax
+    term per head, logit sinks[h] (unscaled), value zero.
     """
     T, H, Dh = q.shape
     G = H // k_all.shape[1]
@@ -69,30 +78,39 @@ def attention(q, k_all, v_all, pos0, scale, window=0):
         js = [j for j in range(p + 1) if window == 0 or j > p - window]
         for h in range(H):
             k, v = k_all[js, h // G], v_all[js, h // G]  # [n, Dh]
-            w = softmax(scale * (k @ q[t, h].astype(np.float64)))
+            s = scale * (k @ q[t, h].astype(np.float64))
+            if sinks is not None:
+                s = np.append(s, np.float64(sinks[h]))
+            w = softmax(s)[:len(js)]
             out[t, h] = w @ v
     return out
 
 
-def topk_route(logits, A, norm, gating=0):
-    """ids [T, A], weights [T, A]: the A largest logits (ties: lower index first) and their
-    gate values (0 softmax over E, 1 sigmoid, 2 softmax over the chosen), renormalised if norm."""
+def topk_route(logits, A, norm, gating=0, scale=1.0, bias=None, n_group=0, topk_group=0):
+    """ids [T, A], weights [T, A], as llama.cpp's build_moe_ffn: probs = softmax over E (0),
+    sigmoid (1) or the logits (2); the A largest probs + bias (ties: lower index first), among
+    the topk_group best of n_group equal groups (a group scores its 2 best) when n_group > 1;
+    weights = probs there (2: softmax over the chosen logits), / their sum (at least 2^-14)
+    if norm, * scale."""
     T, E = logits.shape
     ids = np.zeros((T, A), np.int64)
     wts = np.zeros((T, A))
     for t in range(T):
         lg = logits[t].astype(np.float64)
-        order = sorted(range(E), key=lambda e: (-lg[e], e))[:A]
+        with np.errstate(over="ignore"):
+            probs = softmax(lg) if gating == 0 else 1.0 / (1.0 + np.exp(-lg)) if gating == 1 else lg
+        sel = probs + (0.0 if bias is None else bias.astype(np.float64))
+        if n_group > 1:
+            groups = sel.reshape(n_group, E // n_group)
+            score = [np.sort(g)[::-1][:2].sum() for g in groups]
+            kept = sorted(range(n_group), key=lambda j: (-score[j], j))[:topk_group]
+            sel = np.where(np.isin(np.arange(E) // (E // n_group), kept), sel, -np.inf)
+        order = sorted(range(E), key=lambda e: (-sel[e], e))[:A]
         ids[t] = order
-        if gating == 0:
-            w = softmax(lg)[order]
-        elif gating == 1:
-            w = 1.0 / (1.0 + np.exp(-lg[order]))
-        else:
-            w = softmax(lg[order])
-        if norm or gating == 2:
-            w = w / w.sum()
-        wts[t] = w
+        w = softmax(lg[order]) if gating == 2 else probs[order]
+        if norm:
+            w = w / max(w.sum(), 2.0 ** -14)
+        wts[t] = w * scale
     return ids, wts
 
 

@@ -219,7 +219,7 @@ def test_attention(T, Dh, Hkv, window):
     fns += [att._decode_seq, att._decode_split] if T == 1 else [flash.flash_seq, flash.flash_par]
     for fn in fns:
         out = np.full_like(q, np.nan)
-        fn(out, q, kc, vc, pos0, scale, window)
+        fn(out, q, kc, vc, pos0, scale, window, ops.EMPTY)
         assert max_rel(out, ref) < RTOL, fn
     out = q.copy()
     att.attention(out, out, kc, vc, pos0, scale, window)  # in place: out aliases q
@@ -237,7 +237,7 @@ def test_attention_long_context(T, window):
     fns = (att._decode_split, att._decode_seq) if T == 1 else (flash.flash_par,)
     for fn in (att.attention,) + fns:
         out = np.empty_like(q)
-        fn(out, q, kc, vc, pos0, 0.125, window)
+        fn(out, q, kc, vc, pos0, 0.125, window, ops.EMPTY)
         assert max_rel(out, ref) < RTOL
 
 
@@ -286,10 +286,11 @@ def test_topk_route_by_hand():
 def test_topk_route(T, E, A, norm, gating):
     logits = rnd(T, E, seed=E + A, scale=3.0)
     ref_ids, ref_w = naive.topk_route(logits, A, norm, gating)
-    for fn in (moe.topk_route, moe._route_seq, moe._route_par):
+    for fn in (moe.topk_route, moe._plain_seq, moe._plain_par, moe._biased_seq, moe._biased_par):
         ids = np.empty((T, A), np.int32)
         w = np.empty((T, A), np.float32)
-        fn(ids, w, logits, norm, gating)
+        args = (ids, w, logits, norm, gating, 1.0)
+        fn(*args) if "plain" in fn.__name__ else fn(*args, ops.EMPTY, 0, 0)   # both paths
         assert np.array_equal(ids, ref_ids)
         assert max_rel(w, ref_w) < RTOL
 

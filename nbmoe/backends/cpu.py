@@ -165,16 +165,21 @@ class Backend:
         act = getattr(self.ops, GLU_KERNELS[node.params["act"]])
         return lambda: act(out, gate, up)
 
+    def empty(self):
+        """A size-0 float32 array: an optional vector that is absent."""
+        raise NotImplementedError
+
+    def _route_args(self, topk):
+        """(gating code, scale, selection bias or empty, n_group, topk_group) of a TOPK_MOE."""
+        p = topk.params
+        bias = self.vector(topk.weight) if topk.weight else self.empty()
+        return (GATING_CODES[p.get("gating", "softmax")], float(p.get("scale", 1.0)), bias,
+                *p.get("groups", (0, 0)))
+
     def bind_topk_moe(self, node, buf, state):
         wts, ids, logits = buf[node.out], buf[node.params["also_writes"][0]], buf[node.srcs[0]]
-        p, moe = node.params, self.moe
-        norm, gating = p["norm"], GATING_CODES[p.get("gating", "softmax")]
-        n_group, topk_group = p.get("groups", (0, 0))
-        scale = float(p.get("scale", 1.0))
-        if node.weight is None and n_group == 0 and scale == 1.0:
-            return lambda: moe.topk_route(ids, wts, logits, norm, gating)
-        bias = self.vector(node.weight) if node.weight else self.alloc((0,), np.float32)
-        return lambda: moe.topk_route(ids, wts, logits, norm, gating, scale, bias, n_group, topk_group)
+        norm, route, moe = node.params["norm"], self._route_args(node), self.moe
+        return lambda: moe.topk_route(ids, wts, logits, norm, *route)
 
     def bind_moe_combine(self, node, buf, state):
         out, y, w, moe = buf[node.out], buf[node.srcs[0]], chosen_slots(node, buf[node.srcs[1]]), self.moe
@@ -295,9 +300,10 @@ class CPUBackend(Backend):
         rope_p, neox = (np.asarray(rp["freqs"], np.float64), float(rp["mscale"])), rp["neox"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
+        sinks = self.sinks(att) if self.sinks(att) is not None else self.empty()
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
-            rows, rope_p, neox, kc, vc, scale, window), "ATTN_BLOCK")
+            rows, rope_p, neox, kc, vc, scale, window, sinks), "ATTN_BLOCK")
         # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
         # runs without a region)
         step.regions = 1 + (0 if same_v else _region(pv)) + _region(po)
@@ -336,14 +342,18 @@ class CPUBackend(Backend):
         wts, wr = buf[topk.out], pr[0]
         eps, act, blocks, norm_topk = norm.params["eps"], _act(self.fused, glu), self.blocks, topk.params["norm"]
         threads = numba.get_num_threads
+        route = self._route_args(topk)
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
-            act, norm_topk, threads()), "MOE_BLOCK")
+            act, norm_topk, threads(), *route), "MOE_BLOCK")
         step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 
     def alloc(self, shape, dtype):
         return np.zeros(shape, dtype)
+
+    def empty(self):
+        return self.ops.EMPTY
 
     def copy_in(self, dst, src):
         """dst (here) <- src (a host array or another backend's device array)."""

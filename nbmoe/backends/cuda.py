@@ -203,6 +203,11 @@ class CUDABackend(FusionBinders, Backend):
         super().prepare(graph)
 
     # -- memory ---------------------------------------------------------------------------
+    def empty(self):
+        self.activate()
+        from nbmoe.cuda import empty
+        return empty()
+
     def alloc(self, shape, dtype):
         self.activate()
         try:

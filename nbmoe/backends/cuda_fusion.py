@@ -261,10 +261,5 @@ class FusionBinders:
 
 
 def _route_args(backend, topk):
-    """TOPK_MOE's variant as norm_route's keywords (the gating codes of the kernels)."""
-    from nbmoe.backends.cpu import GATING_CODES
-    p = topk.params
-    n_group, topk_group = p.get("groups", (0, 0))
-    bias = backend.vector(topk.weight) if topk.weight else None
-    return dict(gating=GATING_CODES[p.get("gating", "softmax")], scale=float(p.get("scale", 1.0)),
-                bias=bias, n_group=n_group, topk_group=topk_group)
+    """TOPK_MOE's variant as norm_route's keywords."""
+    return dict(zip(("gating", "scale", "bias", "n_group", "topk_group"), backend._route_args(topk)))

@@ -8,6 +8,12 @@ Cache layout, per layer: k_cache, v_cache uint16 [C, Hkv, Dh] holding f16 bit pa
 values of one (position, kv head) are contiguous, and a whole position row (Hkv * Dh) too.
 Token t of the batch sits at position pos0 + t.
 
+Sinks (gpt-oss): sinks [H] float32, or a size-0 array for none. Head h's softmax then has one
+more term, a key of logit sinks[h] (not scaled) and value zero:
+    out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),
+    m = max(max_j s_j, sinks[h]).
+It changes only the final normalisation, done once per row (attention_flash.sink_norm).
+
 Prompts (T > 1) go to the tiled kernel in attention_flash.py; generation (T = 1) to the
 decode kernel here, which reads the cache directly (each key and value is used G times only,
 too few to pay for a float32 copy).
@@ -17,7 +23,7 @@ from numba import carray, njit, prange
 
 from . import attention_flash as flash
 from .half import f16_to_f32, f32_to_f16
-from .ops import FM, exp_f32, row_max
+from .ops import EMPTY, FM, exp_f32, row_max
 from .quants import FM as FM_DOT
 from .quants import stack_f32
 
@@ -157,7 +163,7 @@ def _load_q(qp, q, g, G, scale):
 
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window):
+def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """T == 1, one kv head after another."""
     H, Dh = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[1]
@@ -172,17 +178,18 @@ def _decode_seq(out, q, k_cache, v_cache, pos0, scale, window):
         _load_q(qp, q, g, G, scale)
         _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s)
         for a in range(G):
-            inv = np.float32(1.0) / ml[a, 1]
+            inv = flash.sink_norm(ml[a, 0], ml[a, 1], sinks, g * G + a)
             o = out[0, g * G + a]
             for i in range(Dh):
                 o[i] = acc[a, i] * inv
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
+def _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """T == 1: keys split into P spans of >= SPLIT_MIN_KEYS; the (span, kv head) tasks run in
     parallel and their partial results are merged by their maxima:
-        out[h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p.
+        out[h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
+    (a sink: one more term exp(sinks[h] - M) in the denominator, and in M).
     """
     H, Dh = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[1]
@@ -206,6 +213,8 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
         m = ml[0, g, r, 0]
         for p in range(1, P):
             m = max(m, ml[p, g, r, 0])
+        if sinks.shape[0] > 0:
+            m = max(m, sinks[h])
         o = out[0, h]
         o[:] = 0.0
         tot = np.float32(0.0)
@@ -214,6 +223,8 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
             tot += f * ml[p, g, r, 1]
             for i in range(Dh):
                 o[i] += f * acc[p, g, r, i]
+        if sinks.shape[0] > 0:
+            tot += exp_f32(sinks[h] - m)
         inv = np.float32(1.0) / tot
         for i in range(Dh):
             o[i] *= inv
@@ -221,18 +232,21 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window):
 
 # ---------------------------------------------------------------- attention
 
-def attention(out, q, k_cache, v_cache, pos0, scale, window=0):
+def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
     j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent
     positions, itself included). The cache must already hold rows 0 .. pos0 + T - 1
-    (store_kv first). One token and a batch are separate kernels: each compiles alone.
+    (store_kv first). sinks [H]: see the module's docstring (EMPTY: none). One token and a
+    batch are separate kernels: each compiles alone.
     """
+    if sinks.shape[0] not in (0, q.shape[1]):
+        raise ValueError(f"attention: {sinks.shape[0]} sinks for {q.shape[1]} heads")
     if q.shape[0] == 1:
-        decode_attention(out, q, k_cache, v_cache, pos0, scale, window)
+        decode_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     else:
-        batch_attention(out, q, k_cache, v_cache, pos0, scale, window)
+        batch_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
 
 
 @njit(inline="always")
@@ -243,22 +257,22 @@ def _keys(T, pos0, window, k_cache):
 
 
 @njit(cache=True, error_model="numpy")
-def decode_attention(out, q, k_cache, v_cache, pos0, scale, window=0):
-    """attention() of one token (T = 1)."""
+def decode_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks):
+    """attention() of one token (T = 1); sinks [H] or size 0 (none)."""
     H, Dh = q.shape[1], q.shape[2]
     n = _keys(1, pos0, window, k_cache)
     if n * H * Dh >= SPLIT_MIN_WORK and n >= 2 * SPLIT_MIN_KEYS:
-        _decode_split(out, q, k_cache, v_cache, pos0, scale, window)
+        _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     else:
-        _decode_seq(out, q, k_cache, v_cache, pos0, scale, window)
+        _decode_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks)
 
 
 @njit(cache=True, error_model="numpy")
-def batch_attention(out, q, k_cache, v_cache, pos0, scale, window=0):
-    """attention() of T > 1 tokens (prompts)."""
+def batch_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks):
+    """attention() of T > 1 tokens (prompts); sinks [H] or size 0 (none)."""
     T, H, Dh = q.shape
     n = _keys(T, pos0, window, k_cache)
     if T * n * H * Dh >= PAR_MIN_WORK:
-        flash.flash_par(out, q, k_cache, v_cache, pos0, scale, window)
+        flash.flash_par(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     else:
-        flash.flash_seq(out, q, k_cache, v_cache, pos0, scale, window)
+        flash.flash_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks)

@@ -13,9 +13,10 @@ t0 + m // G, head g * G + m % G) against the key tiles it can see. Per key tile:
   3. online softmax, vectorized over rows: m_new = max(m_run, max_j St), alpha = exp(m_run -
      m_new), P = exp(St - m_new), l_run = alpha * l_run + sum_j P;
   4. O[m] = alpha[m] * O[m] + sum_j P[j, m] Vc[j]  (4 rows x 16 dims of accumulators).
-At the end out[t, h] = O[m] / l_run[m]. Key tiles past the last token's position are never
-visited, nor those before the first token's window. Parallel over (query tile pair, kv head):
-tile i is paired with tile nq-1-i so every task does the same causal work.
+At the end out[t, h] = O[m] / l_run[m], with a sink's term added to l_run (attention.py's
+docstring). Key tiles past the last token's position are never visited, nor those before
+the first token's window. Parallel over (query tile pair, kv head): tile i is paired with
+tile nq-1-i so every task does the same causal work.
 The micro-kernels keep their accumulators in stack arrays (quants.stack_f32) whose loops
 unroll fully, so LLVM promotes them to registers: JR * MC and MR * IC are 64 floats, 8 ymm.
 """
@@ -134,10 +135,23 @@ def _pv(O, P, Vc, alpha, Mp, nk, Dh):
                 O[m0 + r, i] = o
 
 
+@njit(cache=True, error_model="numpy")
+def sink_norm(m, l, sinks, h):
+    """The factor that normalises a row of running max m and sum l: 1 / l, or with head h's
+    sink (sinks of size > 0) f / (l f + exp(sinks[h] - m')), m' = max(m, sinks[h]),
+    f = exp(m - m') (the row's terms rescaled to m')."""
+    if sinks.shape[0] == 0:
+        return np.float32(1.0) / l
+    s = sinks[h]
+    mn = _maxnum(m, s)
+    f = exp_f32(m - mn)
+    return f / (l * f + exp_f32(s - mn))
+
+
 # ---------------------------------------------------------------- one query tile
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
-def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, t0, t1, g, sc):
+def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g, sc):
     """out[t0:t1, heads of kv head g] for one query tile; sc: the task's scratch (_scratch)."""
     Qt, Kc, Vc, St, O, stats, lo, hi = sc
     Hkv, Dh = k_cache.shape[1], q.shape[2]
@@ -184,8 +198,9 @@ def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, t0, t1, g, sc):
         _softmax_step(St, stats, Mp, nk)
         _pv(O, St, Vc, stats[2], Mp, nk, Dh)
     for m in range(M):
-        inv = np.float32(1.0) / stats[1, m]
-        dst = out[t0 + m // G, g * G + m % G]
+        h = g * G + m % G
+        inv = sink_norm(stats[0, m], stats[1, m], sinks, h)
+        dst = out[t0 + m // G, h]
         for i in range(Dh):
             dst[i] = O[m, i] * inv
 
@@ -202,21 +217,21 @@ def _scratch(G, Dh):
 
 # ---------------------------------------------------------------- drivers
 # out, q [T, H, Dh] float32 (out may alias q: a tile reads its q rows before writing them);
-# k_cache, v_cache [C, Hkv, Dh] uint16 holding rows 0 .. pos0 + T - 1.
+# k_cache, v_cache [C, Hkv, Dh] uint16 holding rows 0 .. pos0 + T - 1; sinks [H] or size 0.
 
 @njit(cache=True, error_model="numpy")
-def flash_seq(out, q, k_cache, v_cache, pos0, scale, window):
+def flash_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """Query tiles and kv heads one after another."""
     T, H, Dh = q.shape
     Hkv = k_cache.shape[1]
     sc = _scratch(H // Hkv, Dh)
     for t0 in range(0, T, BQ):
         for g in range(Hkv):
-            _query_tile(out, q, k_cache, v_cache, pos0, scale, window, t0, min(T, t0 + BQ), g, sc)
+            _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, min(T, t0 + BQ), g, sc)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def flash_par(out, q, k_cache, v_cache, pos0, scale, window):
+def flash_par(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """One task per (query tile pair, kv head): tiles i and nq-1-i together, so prange's equal
     static chunks balance the causal triangle whatever the thread count."""
     T, H, Dh = q.shape
@@ -228,4 +243,4 @@ def flash_par(out, q, k_cache, v_cache, pos0, scale, window):
         sc = _scratch(H // Hkv, Dh)
         for r in range(1 if 2 * i + 1 == nq else 2):
             t0 = (i if r == 0 else nq - 1 - i) * BQ
-            _query_tile(out, q, k_cache, v_cache, pos0, scale, window, t0, min(T, t0 + BQ), g, sc)
+            _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, min(T, t0 + BQ), g, sc)

@@ -39,14 +39,15 @@ def _attn_block_kernel(qtypes, int8s):
     h [1, D], q / att [1, H, Dh], k / v [1, Hkv, Dh], o [1, D]: the graph's buffers.
     norms = (attn_norm, q_norm, k_norm, post_attention_norm); qtypes, int8s, steps: per
     product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has another type than q
-    and k, and then runs on its own); rope_p = (freqs [n_rot/2] float64, mscale).
+    and k, and then runs on its own); rope_p = (freqs [n_rot/2] float64, mscale); sinks [H]
+    attention sinks or a size-0 array (none).
     """
     qt_qk, qt_v, qt_o = qtypes[0], qtypes[2], qtypes[3]
     i8_qk, i8_v, i8_o = int8s[0], int8s[2], int8s[3]
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
     def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, steps, rows,
-                   rope_p, neox, kc, vc, scale, window):
+                   rope_p, neox, kc, vc, scale, window, sinks):
         attn_norm, q_norm, k_norm, post_norm = norms
         ops.rms_norm(h, x, attn_norm, eps)                               # [1, D]
         q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
@@ -59,7 +60,7 @@ def _attn_block_kernel(qtypes, int8s):
         ops.rope(q, pos, freqs, mscale, neox)
         ops.rope(k, pos, freqs, mscale, neox)
         attn.store_kv(kc, vc, k, v, pos0)
-        attn.decode_attention(att, q, kc, vc, pos0, scale, window)       # [1, H, Dh]
+        attn.decode_attention(att, q, kc, vc, pos0, scale, window, sinks)  # [1, H, Dh]
         mat_vec(o, wo, att.reshape(1, att.size), qt_o, i8_o, steps[3])   # [1, D]
         _norm_if(o, post_norm, eps)
         ops.add(x, x, o)
@@ -67,20 +68,21 @@ def _attn_block_kernel(qtypes, int8s):
 
 
 attn_block = entry(_attn_block_kernel, "x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, "
-                   "wo, qtypes, int8s, steps, rows, rope_p, neox, kc, vc, scale, window")
+                   "wo, qtypes, int8s, steps, rows, rope_p, neox, kc, vc, scale, window, sinks")
 
 
-def _ffn_block_kernel(qtypes, int8s):
+def _ffn_block_kernel(qtypes, int8s, act):
     """x [1, D] += post_norm(act(h @ Wg^T) * (h @ Wu^T) @ Wd^T), h = ffn_norm(x).
 
     h [1, D], g [1, F], f [1, D]: the graph's buffers; norms = (ffn_norm, post_ffw_norm);
-    qtypes, int8s, steps: per product gate/up (one type), down; act: fused.ACT_*.
+    qtypes, int8s, steps: per product gate/up (one type), down; act: fused.ACT_* (a constant,
+    as fused.glu's).
     """
     qt_gu, qt_d = qtypes
     i8_gu, i8_d = int8s
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, steps, act):
+    def ffn_block(x, h, g, f, eps, norms, wg, wu, wd, steps):
         ffn_norm, post_norm = norms
         ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
         glu(g, wg, wu, h, qt_gu, i8_gu, steps[0], act)                   # [1, F]
@@ -93,24 +95,27 @@ def _ffn_block_kernel(qtypes, int8s):
 ffn_block = entry(_ffn_block_kernel, "x, h, g, f, eps, norms, wg, wu, wd, qtypes, int8s, steps, act")
 
 
-def _moe_block_kernel(qtypes, int8s):
+def _moe_block_kernel(qtypes, int8s, plain_route):
     """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
-    h = ffn_norm(x), e_a and wts = the top-A of the router's logits h @ Wr^T.
+    h = ffn_norm(x), e_a and wts = the routing of the router's logits h @ Wr^T (moe.route:
+    norm_topk, gating, scale, bias, n_group, topk_group).
 
     h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
     norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
-    (one type), down; n_workers: the expert products' (numba.get_num_threads()).
+    (one type), down; n_workers: the expert products' (numba.get_num_threads()); plain_route
+    (moe.is_plain): the routing path compiled in.
     """
     qt_r, qt_gu, qt_d = qtypes
     i8_r, i8_gu, i8_d = int8s
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
     def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, steps, act, norm_topk,
-                  n_workers):
+                  n_workers, gating, scale, bias, n_group, topk_group):
         ffn_norm, post_norm = norms
         ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
         mat_vec(logits, wr, h, qt_r, i8_r, steps[0])                     # [1, E]
-        moe.topk_route(ids, wts, logits, norm_topk)                      # [1, A]
+        moe.route(plain_route, ids, wts, logits, norm_topk, gating, scale, bias, n_group,
+                  topk_group)                                             # [1, A]
         _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
                         steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
         down_combine(f, wd, g, ids, wts, qt_d, i8_d, steps[2], n_workers)    # [1, D]
@@ -119,5 +124,16 @@ def _moe_block_kernel(qtypes, int8s):
     return moe_block
 
 
-moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
-                  "qtypes, int8s, steps, act, norm_topk, n_workers")
+_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
+                   "qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, n_group, "
+                   "topk_group, plain_route")
+
+
+def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
+              norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
+    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
+               norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
+               moe.is_plain(bias, n_group))
+
+
+moe_block.__doc__ = _moe_block_kernel.__doc__

@@ -13,14 +13,15 @@ for the GPU, and the CPU backend binds them to these (matrix-vector path, T < BL
 
 Each product row is the one matmul's kernels compute (same x preparation, same row dots), so
 the results equal the unfused nodes' (the GLU and the weighted sum in the same order).
-act: ACT_SILU or ACT_GELU (ops' row functions).
+act: ACT_SILU, ACT_GELU or ACT_SWIGLU_OAI (ops' row functions); glu is built per act, glu_id
+takes it at run time (its kernel is mul_mat_id's, shared with the plain expert products).
 """
 import numba
 import numpy as np
 from numba import njit, prange
 
-from .matmul import (ACT_GELU, ACT_SILU, _dot_rows, _glu_rows, _mul_mat_id_vec, _prepare_x,  # noqa: F401
-                     _products, _products_kernel)
+from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, _dot_rows, _glu_rows,  # noqa: F401
+                     _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
 from .specialize import ConstantArgs, build, entry
 from .work_queue import new_queue, next_item
 
@@ -45,10 +46,11 @@ def products_step(outs, ws, x, qtype, int8, step):
 
 # ---------------------------------------------------------------- glu (dense)
 
-def _glu_kernel(qtype, int8):
-    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T); items of `step` rows."""
+def _glu_kernel(qtype, int8, act):
+    """out [T, M] = act(x @ Wg^T) * (x @ Wu^T); items of `step` rows (act a constant: its
+    GLU alone is compiled in)."""
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def glu(out, wg, wu, x, step, act):
+    def glu(out, wg, wu, x, step):
         xsum, xi = _prepare_x(x, int8, qtype)
         M = wg.shape[0]
         for item in prange((M + step - 1) // step):

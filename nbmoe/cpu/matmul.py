@@ -50,7 +50,7 @@ from .quants_rtr import (BASE, GROUP, R16_TYPES, block_biases, dequant_row_r16,
 from .quants_rtr_k import Q4_K_R16, prepare_xk
 from .quants_rtr_xs import IQ4_XS_R16
 from .quants_rtr_xs import prepare_xk as prepare_xk_xs
-from .ops import _geglu_row, _swiglu_row
+from .ops import _geglu_row, _swiglu_oai_row, _swiglu_row
 from .work_queue import new_queue, next_item
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
@@ -423,17 +423,20 @@ def _group_by_expert(ids, E):
     return order, start
 
 
-# act: ACT_NONE the products alone; ACT_SILU / ACT_GELU (fused.glu_id): w holds the gate
-# rows, wu the up rows, and an item computes both row runs of a pair, then the GLU into out.
-ACT_NONE, ACT_SILU, ACT_GELU = -1, 0, 1
+# act: ACT_NONE the products alone; ACT_SILU / ACT_GELU / ACT_SWIGLU_OAI (fused.glu_id): w
+# holds the gate rows, wu the up rows, and an item computes both row runs of a pair, then the
+# GLU into out.
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = -1, 0, 1, 2
 
 
-@njit(cache=True, error_model="numpy", inline="always")
+@njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
 def _glu_rows(out, g, u, act):
     if act == ACT_SILU:
         _swiglu_row(out, g, u)
-    else:
+    elif act == ACT_GELU:
         _geglu_row(out, g, u)
+    else:
+        _swiglu_oai_row(out, g, u)
 
 
 def _mul_mat_id_vec_kernel(qtype, int8):

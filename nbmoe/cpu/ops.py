@@ -18,9 +18,16 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 # Elements of work below which the single-threaded path wins: a parallel region costs
 # microseconds, and on a busy machine can wait a scheduler tick at its end barrier.
 PAR_MIN_ELEMS = 1 << 15
+
+# "None" for an optional vector (attention sinks, a router's selection bias): size 0, and
+# read-only so that it has the Numba type of the GGUF's (mmap) vectors: one compile for both.
+EMPTY = np.zeros(0, np.float32)
+EMPTY.flags.writeable = False
 
 # Floating-point licences for loops with reductions: reassociation lets LLVM split a sum over
 # vector lanes. No nnan/ninf, so NaN and inf still behave (softmax max-subtraction uses -inf).
@@ -157,6 +164,102 @@ def scale(out, x, s):
         _scale_seq(o1, x1, s32)
 
 
+# ---------------------------------------------------------------- add_bias, add_bias_id, sigmoid_mul
+# Row ops of biased products and gated outputs (gpt-oss's biases, a shared expert's gate):
+#   add_bias     out[t, :] = x[t, :] + b                      x, out [T, M], b [M]
+#   add_bias_id  out[t, a, :] = x[t, a, :] + b[ids[t, a], :]  x, out [T, A, M], b [E, M]
+#   sigmoid_mul  out[t, :] = x[t, :] * sigmoid(g[t, 0])       x, out [T, M], g [T, 1]
+# out may alias x (a loop over two arrays then, as _glu_row's). Parallel over rows.
+
+@njit(cache=True, error_model="numpy")
+def _add_row(out, x, b):
+    if out.ctypes.data == x.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] += b[i]
+    else:
+        for i in range(out.shape[0]):
+            out[i] = x[i] + b[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _add_bias_seq(out, x, b):
+    for t in range(x.shape[0]):
+        _add_row(out[t], x[t], b)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _add_bias_par(out, x, b):
+    for t in prange(x.shape[0]):
+        _add_row(out[t], x[t], b)
+
+
+@njit(cache=True, error_model="numpy")
+def add_bias(out, x, b):
+    """out [T, M] = x + b (b [M] added to every row); out may alias x."""
+    if x.size >= PAR_MIN_ELEMS and x.shape[0] > 1:
+        _add_bias_par(out, x, b)
+    else:
+        _add_bias_seq(out, x, b)
+
+
+@njit(cache=True, error_model="numpy")
+def _add_bias_id_seq(out, x, b, ids):
+    for r in range(x.shape[0] * x.shape[1]):
+        t, a = r // x.shape[1], r % x.shape[1]
+        _add_row(out[t, a], x[t, a], b[ids[t, a]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _add_bias_id_par(out, x, b, ids):
+    for r in prange(x.shape[0] * x.shape[1]):
+        t, a = r // x.shape[1], r % x.shape[1]
+        _add_row(out[t, a], x[t, a], b[ids[t, a]])
+
+
+@njit(cache=True, error_model="numpy")
+def add_bias_id(out, x, b, ids):
+    """out [T, A, M] = x + the bias row of each pair's expert, b [E, M], ids [T, A] int32."""
+    for t in range(ids.shape[0]):
+        for a in range(ids.shape[1]):
+            if ids[t, a] < 0 or ids[t, a] >= b.shape[0]:
+                raise ValueError("add_bias_id: an expert id is outside the bias rows")
+    if x.size >= PAR_MIN_ELEMS and x.shape[0] * x.shape[1] > 1:
+        _add_bias_id_par(out, x, b, ids)
+    else:
+        _add_bias_id_seq(out, x, b, ids)
+
+
+@njit(cache=True, error_model="numpy")
+def _scale_row(out, x, s):
+    if out.ctypes.data == x.ctypes.data:
+        for i in range(out.shape[0]):
+            out[i] *= s
+    else:
+        for i in range(out.shape[0]):
+            out[i] = x[i] * s
+
+
+@njit(cache=True, error_model="numpy")
+def _sigmoid_mul_seq(out, x, g):
+    for t in range(x.shape[0]):
+        _scale_row(out[t], x[t], np.float32(1.0) / (np.float32(1.0) + exp_f32(-g[t, 0])))
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _sigmoid_mul_par(out, x, g):
+    for t in prange(x.shape[0]):
+        _scale_row(out[t], x[t], np.float32(1.0) / (np.float32(1.0) + exp_f32(-g[t, 0])))
+
+
+@njit(cache=True, error_model="numpy")
+def sigmoid_mul(out, x, g):
+    """out [T, M] = x * sigmoid(g[:, 0]) row by row (g [T, 1]); out may alias x."""
+    if x.size >= PAR_MIN_ELEMS and x.shape[0] > 1:
+        _sigmoid_mul_par(out, x, g)
+    else:
+        _sigmoid_mul_seq(out, x, g)
+
+
 # ---------------------------------------------------------------- rope
 # x[T, H, Dh] in place; pos[T] int32. Rotary position embedding on the first n_rot dims
 # of every head: pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with angle
@@ -288,16 +391,20 @@ def rope(x, pos, freqs, mscale, neox):
     rope_apply(x, cs, sn, neox)
 
 
-# ---------------------------------------------------------------- swiglu, geglu
+# ---------------------------------------------------------------- swiglu, geglu, swiglu_oai
 # out[N, F] = act(gate) * up, N = T (dense FFN) or T*A (routed experts); rows contiguous,
 # gate/up may be row-strided views (e.g. halves of a fused [N, 2F] matmul output).
 #   silu(g)      = g / (1 + exp(-g))
 #   gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
 #                = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))   (no cancellation near 0)
+#   swiglu_oai (gpt-oss): x = min(g, L), y = clamp(u, -L, L), out = x / (1 + exp(-a x)) * (y + 1),
+#                a = SWIGLU_OAI_ALPHA, L = SWIGLU_OAI_LIMIT (a NaN stays NaN, as in ggml)
 # exp is exp_f32, so the inner loop vectorizes. Parallel over rows.
 
 _GELU_K = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_C = np.float32(0.044715)
+_OAI_A = np.float32(SWIGLU_OAI_ALPHA)
+_OAI_L = np.float32(SWIGLU_OAI_LIMIT)
 
 
 # out aliasing gate or up (the graph's GLU writes in place) gets a loop over two arrays: with
@@ -312,6 +419,13 @@ def _silu_times(g, u):
 def _gelu_times(g, u):
     z = _GELU_K * (g + _GELU_C * g * g * g)
     return g / (np.float32(1.0) + exp_f32(-z)) * u
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _swiglu_oai_times(g, u):
+    x = _OAI_L if _OAI_L < g else g
+    y = -_OAI_L if u < -_OAI_L else (_OAI_L if _OAI_L < u else u)
+    return x / (np.float32(1.0) + exp_f32(-_OAI_A * x)) * (y + np.float32(1.0))
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -339,6 +453,11 @@ def _geglu_row(out, gate, up):
 
 
 @njit(cache=True, error_model="numpy")
+def _swiglu_oai_row(out, gate, up):
+    _glu_row(out, gate, up, _swiglu_oai_times)
+
+
+@njit(cache=True, error_model="numpy")
 def _swiglu_seq(out, gate, up):
     for r in range(out.shape[0]):
         _swiglu_row(out[r], gate[r], up[r])
@@ -363,6 +482,18 @@ def _geglu_par(out, gate, up):
 
 
 @njit(cache=True, error_model="numpy")
+def _swiglu_oai_seq(out, gate, up):
+    for r in range(out.shape[0]):
+        _swiglu_oai_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _swiglu_oai_par(out, gate, up):
+    for r in prange(out.shape[0]):
+        _swiglu_oai_row(out[r], gate[r], up[r])
+
+
+@njit(cache=True, error_model="numpy")
 def swiglu(out, gate, up):
     """out[N, F] = silu(gate) * up; out may alias gate or up."""
     if out.size >= PAR_MIN_ELEMS and out.shape[0] > 1:
@@ -378,6 +509,15 @@ def geglu(out, gate, up):
         _geglu_par(out, gate, up)
     else:
         _geglu_seq(out, gate, up)
+
+
+@njit(cache=True, error_model="numpy")
+def swiglu_oai(out, gate, up):
+    """out[N, F] = gpt-oss's clamped SwiGLU of gate and up; out may alias gate or up."""
+    if out.size >= PAR_MIN_ELEMS and out.shape[0] > 1:
+        _swiglu_oai_par(out, gate, up)
+    else:
+        _swiglu_oai_seq(out, gate, up)
 
 
 # ---------------------------------------------------------------- softmax_rows

@@ -37,16 +37,8 @@ BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 # pass its op's test, else the group is not formed and its nodes run on the plain path (each
 # op's own kernel, which runs every variant). Ops not listed pass; an op no group takes is
 # listed as False so that --explain names it.
-def _plain_route(node):
-    p = node.params
-    return (p.get("gating", "softmax") == "softmax" and p.get("scale", 1.0) == 1.0
-            and not p.get("groups", (0, 0))[0] and node.weight is None)
-
-
 FUSED_SUPPORT = {
-    "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu"),
-            "ATTN": lambda n: not n.params.get("sinks"),
-            "TOPK_MOE": _plain_route,
+    "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
             "ADD_BIAS": lambda n: False, "ADD_BIAS_ID": lambda n: False,
             "SIGMOID_MUL": lambda n: False},
     "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
