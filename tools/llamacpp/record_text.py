@@ -130,6 +130,16 @@ CHAT = [{"role": "system", "content": "You are a terse assistant."},
         {"role": "assistant", "content": "4."},
         {"role": "user", "content": "And 3+3? Answer in one word, ünïcödé ok."}]
 
+# one user message and a function tool with required, optional, enum and default parameters
+TOOL_CHAT = [{"role": "user", "content": "Weather in Oslo?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "name of the city"},
+        "days": {"type": "integer", "default": 1},
+        "unit": {"type": "string", "enum": ["C", "F"], "default": "C"},
+        "tags": {"type": "array", "items": {"type": "string"}}}}}}]
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
@@ -166,10 +176,16 @@ def main():
         prompt = run(exe, vocab, "chat", template_path, msgs).decode()
         # the template writes today's date (strftime_now); the test renders with this one
         date = re.search(r"Current date: (\S+)", prompt).group(1)
+        msgs = nul_file(tmp, "tool_chat", [s for m in TOOL_CHAT for s in (m["role"], m["content"])])
+        tools = nul_file(tmp, "tools", [s for t in TOOLS for s in (
+            t["function"]["name"], t["function"]["description"],
+            json.dumps(t["function"]["parameters"]))])
+        tool_prompt = run(exe, vocab, "chat", template_path, msgs, tools).decode()
         with open(os.path.join(DATA, "gpt_oss_chat.json"), "w") as f:
             json.dump({"tool": out["tool"] + ", common_chat_templates_apply (its Jinja engine)",
                        "template": "models/templates/openai-gpt-oss-120b.jinja",
-                       "date": date, "messages": CHAT, "prompt": prompt},
+                       "date": date, "messages": CHAT, "prompt": prompt,
+                       "tool_messages": TOOL_CHAT, "tools": TOOLS, "tool_prompt": tool_prompt},
                       f, ensure_ascii=False, indent=1)
     print(f"{len(cases)} cases, eog {eog}; prompt:\n{prompt}", file=sys.stderr)
 

@@ -4,9 +4,10 @@
 //
 //   tokenize VOCAB.gguf ids IN PARSE_SPECIAL ADD_SPECIAL   one line of ids per text
 //   tokenize VOCAB.gguf info                               EOG ids, and each token's attributes
-//   tokenize VOCAB.gguf chat TEMPLATE IN                   the prompt for the messages in IN
+//   tokenize VOCAB.gguf chat TEMPLATE IN [TOOLS]           the prompt for the messages in IN
 //
-// IN holds NUL-terminated strings: texts for `ids`, role/content pairs for `chat`.
+// IN holds NUL-terminated strings: texts for `ids`, role/content pairs for `chat`; TOOLS
+// holds name/description/parameters-JSON triples.
 #include "llama.h"
 #include "chat.h"
 
@@ -85,7 +86,7 @@ int main(int argc, char ** argv) {
             printf(" %d", (int) llama_vocab_get_attr(vocab, i));
         }
         printf("\n");
-    } else if (mode == "chat" && argc == 5) {
+    } else if (mode == "chat" && (argc == 5 || argc == 6)) {
         auto tmpls = common_chat_templates_init(model, read_file(argv[3]));
         common_chat_templates_inputs inputs;
         std::vector<std::string> parts = split_nul(read_file(argv[4]));
@@ -94,6 +95,12 @@ int main(int argc, char ** argv) {
             msg.role = parts[i];
             msg.content = parts[i + 1];
             inputs.messages.push_back(msg);
+        }
+        if (argc == 6) {
+            std::vector<std::string> t = split_nul(read_file(argv[5]));
+            for (size_t i = 0; i + 2 < t.size(); i += 3) {
+                inputs.tools.push_back({t[i], t[i + 1], t[i + 2]});
+            }
         }
         inputs.add_generation_prompt = true;
         inputs.use_jinja = true;
