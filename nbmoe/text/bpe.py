@@ -12,6 +12,8 @@ Words repeat a lot in real text, so step 3 is cached per word.
 """
 import regex
 
+from nbmoe.errors import NbmoeError
+
 # The GPT-2 split: contractions, letters, digits, other symbols, whitespace runs.
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # llama3 / qwen2 use the tiktoken style, with case-insensitive contractions spelled out.
@@ -20,6 +22,13 @@ LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-4o, gpt-oss), exactly as llama.cpp writes it: an optional lead character, a
+# run of letters other than a-z ("upper"), a run of letters other than A-Z ("lower"), an
+# optional contraction. The lookaheads stand in for tokenizer.json's \p{Lu}/\p{Ll} classes
+# and differ from them on non-ASCII letters and marks; llama.cpp's ids are the ones we match.
+GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + "?"
+         r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + "?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Regex chains by family, as llama.cpp's llm_tokenizer_bpe picks them.
 PRE_TOKENIZERS = {
@@ -28,10 +37,11 @@ PRE_TOKENIZERS = {
     "llama3": (LLAMA3,),
     "qwen2": (QWEN2,),
     "smollm": (r"\p{N}", GPT2),   # every digit is a word of its own, then GPT-2
+    "gpt-4o": (GPT4O,),
 }
 
-# `tokenizer.ggml.pre` value -> family. Names not listed here (and a missing key) use
-# "gpt2": llama.cpp refuses unknown names, we prefer to run with the plain GPT-2 split.
+# `tokenizer.ggml.pre` value -> family. As in llama.cpp, a missing key means "default" and
+# a name not listed here is refused (its split is unknown, so its ids would be wrong).
 PRE_FAMILY = {
     "default": "default",
     "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
@@ -43,6 +53,7 @@ PRE_FAMILY = {
     "hunyuan": "qwen2", "grok-2": "qwen2",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",
     "codeshell": "smollm", "exaone": "smollm", "minerva-7b": "smollm",
+    "gpt-4o": "gpt-4o", "llama4": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o",
 }
 
 # Names for which llama.cpp takes a word that is already a whole token as is, without
@@ -104,7 +115,10 @@ class BytePairEncoder:
         # rank of the pair "left right"; a repeated merge keeps its first (lowest) rank
         n = len(merges)
         self.ranks = dict(zip(reversed(merges), range(n - 1, -1, -1)))
-        self.family = PRE_FAMILY.get(pre, "gpt2")
+        self.family = PRE_FAMILY.get(pre or "default")
+        if self.family is None:
+            raise NbmoeError(f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer nbmoe knows "
+                             f"(known: {', '.join(sorted(PRE_FAMILY))})")
         self.patterns = [regex.compile(p) for p in PRE_TOKENIZERS[self.family]]
         self.ignore_merges = pre in LLAMA3_NAMES
         self.cache = {}

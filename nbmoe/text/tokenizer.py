@@ -29,7 +29,14 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 END_OF_TURN_TEXTS = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<|return|>", "<|call|>",
 }
+
+# gpt-oss's harmony format: these header tokens are always matched in text and always
+# written out (user-defined), so a reply's channel structure survives decoding. With
+# <|return|> and <|call|> ending a reply, <|end|> only closes a message (an analysis one,
+# before the final answer), so it is no stop and becomes user-defined too: llama.cpp's rules.
+HARMONY_HEADER_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 # `tokenizer.ggml.pre` names whose vocab adds a BOS when the metadata does not say.
 _ADD_BOS_PRE = LLAMA3_NAMES | {"tekken", "chameleon"}
@@ -62,10 +69,18 @@ class Tokenizer:
 
         ends = {i for i in (eos_id, eot_id, eom_id) if i is not None and 0 <= i < n}
         ends |= {self.text_to_id[t] for t in END_OF_TURN_TEXTS if t in self.text_to_id}
-        self.stop_ids = frozenset(ends)
         for i in ends:   # an end-of-turn token is a control token even if typed otherwise
             if self.token_types[i] not in (CONTROL, UNKNOWN):
                 self.token_types[i] = CONTROL
+        for text in HARMONY_HEADER_TEXTS:
+            if text in self.text_to_id:
+                self.token_types[self.text_to_id[text]] = USER_DEFINED
+        end_texts = {self.tokens[i] for i in ends}
+        if {"<|return|>", "<|call|>", "<|end|>"} <= end_texts:
+            end = self.text_to_id["<|end|>"]
+            ends.discard(end)
+            self.token_types[end] = USER_DEFINED
+        self.stop_ids = frozenset(ends)
 
         if model == "gpt2":
             self._bpe = BytePairEncoder(self.text_to_id, merges or [], pre)
