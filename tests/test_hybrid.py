@@ -358,3 +358,25 @@ def test_zero_copy_check_tool(capsys):
     assert cuda_zero_copy_check.main(["--experts", "4", "--rows", "32", "--cols", "64", "--chosen", "1",
                                       "--reps", "1", "--spin", "1"]) == 0
     assert "bit-identical to device copies" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("placement", [
+    dict(n_gpu_layers=99),
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),                     # -zce auto
+    pytest.param(dict(n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0),
+                 marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: real GPU only")),
+])
+def test_gpt_oss_hybrid_equals_cpu(tiny_model, placement):
+    """gpt-oss's variants (biases, sinks, a window, YaRN, clamped SwiGLU, softmax over the
+    chosen) on the GPU and split: the CPU engine's logits, batched and token by token."""
+    n_layer = 1 if cuda_setup.SIM else 2
+    path = tiny_model("gpt-oss", n_layer=n_layer, sliding_window=2 if cuda_setup.SIM else 8,
+                      types=[("exps", "MXFP4")], default_type="Q8_0")
+    ids = PROMPT + [5, 9] if cuda_setup.SIM else PROMPT + [5, 9, 250, 33, 12, 7, 64, 3, 91]
+    llm = load(path, **placement)
+    assert "CUDA0" in llm.backends
+    assert close(llm.eval(ids), cpu_logits(path, ids), rel=5e-4)
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    ref.eval(ids)
+    for tok in (17, 200) if cuda_setup.SIM else (17, 200, 5, 9):
+        assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
