@@ -104,16 +104,18 @@ class FusionBinders:
 
     # A prompt's expert products group their (token, expert) pairs by expert first (a kernel
     # launch, matmul_tiled.group_by_expert); a MoE layer's gate, up and down products share their
-    # ids, and steps run in the order they are bound, so a product whose ids, experts and tile
-    # are those of the grouping bound last on this GPU reuses its table. Anything else that
-    # groups (an offloaded product) is bound in between and resets the record.
+    # ids, and steps run in the order they are bound, so a product of the same layer whose ids,
+    # experts and tile are those of the grouping bound last on this GPU reuses its table (the
+    # next layer routes anew: its ids differ). Anything else that groups (an offloaded product)
+    # is bound in between and resets the record.
     _grouping = None
 
     def _grouped(self, node, buf, ids, E, tile):
         if not tile:
             return False                       # matrix-vector: no grouping, the table stays
         whole = tuple(ids.shape) == tuple(buf[node.srcs[1]].shape)
-        key = (id(buf), node.srcs[1], E, tile) if whole else None
+        layer = node.weight.split(".")[1] if node.weight.startswith("blk.") else None
+        key = (id(buf), node.srcs[1], E, tile, layer) if whole else None
         same = key is not None and key == self._grouping
         self._grouping = key
         return same
