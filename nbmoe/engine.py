@@ -26,7 +26,7 @@ from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched.scheduler import OffloadPolicy, make_plan
 from nbmoe.text.tokenizer import Tokenizer
-from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers
+from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers, split_expert_slots
 
 
 # -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
@@ -179,9 +179,10 @@ class LLM:
         share = self.zce_share if n_tokens == 1 else 0
         key = (n_tokens, n_logits, share)
         if key not in self._plans:
-            slots = [share if il in self.gpu_slots else 0
-                     for il in range(self.cfg.n_layer)] if share else None
-            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", slots)
+            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
+            if share:       # -zce: a GPU computes part of each layer's chosen experts
+                split_expert_slots(g, [share if il in self.gpu_slots else 0
+                                       for il in range(self.cfg.n_layer)])
             self._plans[key] = make_plan(g, self.backends, self.state,
                                          lambda name: self.placement[name][0], self.policy, self.cfg)
         return self._plans[key]

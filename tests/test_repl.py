@@ -117,7 +117,8 @@ def terminal():
 
 def test_terminal_keys(terminal, moe_model):
     """/help, line editing and history, Ctrl-C at the prompt and during a reply, Ctrl-D."""
-    t = terminal("-m", moe_model, "-n", "-1", "-c", "32768", "--temp", "0", "-t", "1")
+    # --ignore-eos: a reply runs until Ctrl-C stops it (the random model could end one at once)
+    t = terminal("-m", moe_model, "-n", "-1", "-c", "32768", "--temp", "0", "-t", "1", "--ignore-eos")
     t.expect(r"/help lists the commands; Ctrl-C stops a reply, Ctrl-D quits", timeout=1200)  # cold compile
     t.type("/help\r")
     t.expect(r"/reset +forget the conversation")

@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed (-1 = random)")
     p.add_argument("-sys", "--system-prompt", default=None, help="system message")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the model's end-of-generation tokens (to -n or the context's end)")
     add_repack_arg(p)
     add_placement_args(p)
     args = p.parse_args(argv)
@@ -87,7 +89,8 @@ class Chat:
         ids = self.prompt_ids(text)
         stream, shown = reply_stream(self.llm.tokenizer), _Shown(out)
         try:
-            for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler):
+            stop_ids = () if getattr(self.args, "ignore_eos", False) else None
+            for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler, stop_ids):
                 shown.write(stream.push(tok))
                 if stop.requested:
                     break

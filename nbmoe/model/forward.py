@@ -11,10 +11,8 @@ from nbmoe.errors import NbmoeError
 from nbmoe.model.graph import Graph
 
 
-def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
-    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
-    gpu_slots[il]: of layer il's chosen experts, how many a GPU computes reading their weights
-    from RAM (zero copy, see moe_ffn); None or 0: none."""
+def build_graph(cfg, n_tokens, n_logits, output_weight):
+    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows."""
     T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T)
@@ -27,7 +25,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, gpu_slots=None):
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
         if cfg.is_moe_layer(il):
-            moe_ffn(g, cfg, p, T, gpu_slots[il] if gpu_slots else 0)
+            moe_ffn(g, cfg, p, T)
         else:
             dense_ffn(g, cfg, p, T, cfg.n_ff, "", "ffn_out")
         if f.post_norms:
@@ -80,56 +78,32 @@ def dense_ffn(g, cfg, p, T, F, suffix, out):
     g.add_node("MUL_MAT", out, (T, cfg.n_embd), [gate], p + f"ffn_down{suffix}.weight")
 
 
-def moe_ffn(g, cfg, p, T, gpu_slots=0):
+def moe_ffn(g, cfg, p, T):
     """Router -> gating -> top-k (-> renormalise, scale) -> GLU experts -> weighted sum
-    [+ shared experts].
-
-    gpu_slots = S > 0 (one-token batches, experts in RAM, router on a GPU; no post-FFN norm):
-    the chosen experts in slots 0..S-1 are computed by the GPU, which reads their weights from
-    RAM over PCIe (zero copy), while the CPU computes slots S..A-1. The GPU's nodes (params
-    zero_copy) come first and add their weighted sum to the residual x themselves; the
-    scheduler launches them without waiting for them, right after the copies the CPU's share
-    needs, and the CPU's sum is added as usual."""
-    E, A, D = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
+    [+ shared experts]."""
+    E, A, D, F = cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     _linear(g, cfg, p, "ffn_gate_inp", "router", (T, E), "h")                          # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
     select_bias = p + "exp_probs_b.bias" if cfg.has("exp_probs_b.bias") else None
     g.add_node("TOPK_MOE", "expert_weights", (T, A), ["router"], select_bias, k=A,     # [T, A]
                norm=cfg.moe_norm_topk, gating=cfg.gating, scale=cfg.routed_scale,
                groups=(cfg.n_group, cfg.topk_group), also_writes=("expert_ids",))
-    S = max(0, min(int(gpu_slots), A - 1))
-    if S:
-        assert not cfg.flags.post_norms, "the GPU's share would skip the post-FFN norm"
-        _experts(g, cfg, p, T, "zc_", "zc_out", (0, S), zero_copy=True)
-        g.add_node("ADD", "x", (T, D), ["x", "zc_out"], zero_copy=True)
-    _experts(g, cfg, p, T, "exp_", "ffn_out", (S, A) if S else None)
+
+    def product(role, buf, shape, src):
+        g.add_node("MUL_MAT_ID", buf, shape, [src, "expert_ids"], p + role + ".weight")
+        if cfg.has(role + ".bias"):      # out[t, a] += b[expert of slot a]
+            g.add_node("ADD_BIAS_ID", buf, shape, [buf, "expert_ids"], p + role + ".bias")
+    product("ffn_gate_exps", "exp_gate", (T, A, F), "h")                                 # [T, A, F]
+    product("ffn_up_exps", "exp_up", (T, A, F), "h")
+    g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.glu)
+    product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate")                          # [T, A, D]
+    g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])         # [T, D]
     if cfg.n_shared_expert:
         dense_ffn(g, cfg, p, T, cfg.n_ff_shexp, "_shexp", "shexp_out")
         if cfg.has("ffn_gate_inp_shexp.weight"):          # out *= sigmoid(h @ w)
             g.add_node("MUL_MAT", "shexp_gate", (T, 1), ["h"], p + "ffn_gate_inp_shexp.weight")
             g.add_node("SIGMOID_MUL", "shexp_out", (T, D), ["shexp_out", "shexp_gate"])
         g.add_node("ADD", "ffn_out", (T, D), ["ffn_out", "shexp_out"])
-
-
-def _experts(g, cfg, p, T, name, out, slots, **params):
-    """GLU experts and their weighted sum into `out` over the chosen-expert slots lo..hi-1
-    (None: all of them)."""
-    F, D = cfg.n_ff_exp, cfg.n_embd
-    A = cfg.n_expert_used if slots is None else slots[1] - slots[0]
-    if slots is not None:             # buffers are shared by the layers: one set per shape
-        params["slots"] = slots
-        name += f"{slots[0]}-{slots[1]}_"
-    gate, up, down = name + "gate", name + "up", name + "down"
-
-    def product(role, buf, shape, src):
-        g.add_node("MUL_MAT_ID", buf, shape, [src, "expert_ids"], p + role + ".weight", **params)
-        if cfg.has(role + ".bias"):      # out[t, a] += b[expert of slot a]
-            g.add_node("ADD_BIAS_ID", buf, shape, [buf, "expert_ids"], p + role + ".bias", **params)
-    product("ffn_gate_exps", gate, (T, A, F), "h")
-    product("ffn_up_exps", up, (T, A, F), "h")
-    g.add_node("GLU", gate, (T, A, F), [gate, up], act=cfg.flags.glu, **params)
-    product("ffn_down_exps", down, (T, A, D), gate)                                      # [T, A, D]
-    g.add_node("MOE_COMBINE", out, (T, D), [down, "expert_weights"], **params)            # [T, D]
 
 
 def expected_tensors(cfg, names):

@@ -11,7 +11,7 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
        backend that made an input last: the residual add after a layer split follows the
        new GPU), so the fewest bytes cross
   def  nothing to follow (graph inputs only): the CPU
-  zc   a one-token MoE layer's GPU share of the chosen experts (model.moe_ffn's gpu_slots):
+  zc   a one-token MoE layer's GPU share of the chosen experts (zero_copy.split_expert_slots):
        the GPU that routed computes them reading the expert weights from RAM over PCIe (zero
        copy, no upload), at the same time as the CPU computes the other experts
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,

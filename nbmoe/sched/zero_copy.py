@@ -22,6 +22,8 @@ drifts), and the move is explored again.
 """
 import numpy as np
 
+from nbmoe.model.graph import Node
+
 EVERY = 8          # generated tokens between two measured ones
 SAMPLE = 4         # of a measured token, every SAMPLE-th layer is timed
 SLACK = 1.02       # the GPU share may take this much longer than the CPU's before S drops
@@ -90,3 +92,48 @@ def measured_times(steps):
     gpu = [s.gpu_share_seconds() for s in steps]
     cpu = [s.cpu_share_seconds for s in steps if s.cpu_share_seconds is not None]
     return float(np.median(gpu)), float(np.median(cpu)) if cpu else float("inf")
+
+
+# ---------------------------------------------------------------- the graph's split
+
+def split_expert_slots(graph, slots):
+    """Rewrite one-token MoE layers for -zce: slots[il] = S > 0 splits layer il's chosen experts
+    into a GPU share (slots 0..S-1: the GPU reads their weights from RAM in place) and the CPU's
+    (S..A-1). The GPU's nodes (params zero_copy, slots) come first and add their weighted sum to
+    the residual x themselves; the scheduler launches them without waiting for them, right after
+    the copies the CPU's share needs, and the CPU's sum goes on to the layer's output as before.
+    The experts' nodes run from a layer's first MUL_MAT_ID to the MOE_COMBINE into ffn_out."""
+    nodes, out, i = graph.nodes, [], 0
+    while i < len(nodes):
+        n = nodes[i]
+        S = slots[int(n.weight.split(".")[1])] if n.op == "MUL_MAT_ID" and n.weight else 0
+        if not S:
+            out.append(n)
+            i += 1
+            continue
+        j = next(k for k in range(i, len(nodes)) if nodes[k].op == "MOE_COMBINE")
+        run, A = nodes[i:j + 1], graph.buffers["expert_ids"].shape[1]
+        out += _share(graph, run, "zc_", "zc_out", (0, S))
+        out.append(Node("ADD", "x", ("x", "zc_out"), params={"zero_copy": True}))
+        out += _share(graph, run, "exp_", run[-1].out, (S, A))
+        i = j + 1
+    graph.nodes[:] = out
+    return graph
+
+
+def _share(graph, run, prefix, out, slots):
+    """The experts' nodes `run` over the chosen-expert slots lo..hi-1, on buffers of their own
+    (named by the slots: a layer's buffers are shared by all layers, one set per shape); the
+    GPU's share (prefix zc_) is marked zero_copy."""
+    lo, hi = slots
+    names = {b: f"{prefix}{lo}-{hi}_{b.split('_', 1)[1]}" for n in run for b in n.outs
+             if b.startswith("exp_")}
+    names[run[-1].out] = out
+    for old, new in names.items():
+        shape = list(graph.buffers[old].shape)
+        if len(shape) == 3:                  # [T, A, F]: A becomes the share's slots
+            shape[1] = hi - lo
+        graph.buffer(new, shape, graph.buffers[old].dtype)
+    return [Node(n.op, names.get(n.out, n.out), tuple(names.get(s, s) for s in n.srcs), n.weight,
+                 {**n.params, "slots": slots, **({"zero_copy": True} if prefix == "zc_" else {})})
+            for n in run]
