@@ -114,3 +114,23 @@ def test_glm4moe_config_and_nextn_block(tiny_model, capsys):
     assert {"ADD_BIAS", "TOPK_MOE"} <= {n.op for n in g.nodes}
     explain(llm, 4)
     assert "1 NextN layer not run (blk.3" in capsys.readouterr().err
+
+
+def test_glm4moe_q4k_as_close_as_llamacpp(tmp_path):
+    """On the recorded Q4_K glm4moe (tests/data/llamacpp_tiny), the default path is at least
+    as close to the float64 math as llama.cpp's recorded logits: worst cosine and top-1."""
+    import json
+    import os
+    from make_model import make_model
+    from llamacpp_logits import compare
+    with open(os.path.join(os.path.dirname(__file__), "data", "llamacpp_tiny.json")) as f:
+        record = json.load(f)
+    case = record["cases"]["glm4moe-q4k"]
+    spec = dict(case["make_model"])
+    path = make_model(str(tmp_path / "glm.gguf"), spec.pop("arch"), seed=record["model_seed"], **spec)
+    llm = nbmoe.load(path, n_ctx=64, threads=2)
+    want = reference.forward(llm.cfg, llm.file.tensors, case["tokens"])
+    cos, top1 = compare(llm.eval(case["tokens"]).astype(np.float64), want)
+    theirs = case["llamacpp_vs_reference"]
+    print(f"glm4moe Q4_K: nbmoe worst cosine {cos:.6f} top-1 {top1:.1%}; llama.cpp {theirs}")
+    assert cos >= theirs["worst_cosine"] - 1e-5 and top1 >= theirs["top1"] - 1e-3
