@@ -86,6 +86,18 @@ def test_glm4moe_float_path_matches_reference(tiny_model, qtype, fused, monkeypa
     assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
 
 
+def test_glm4moe_qk_norm_matches_reference(tiny_model, monkeypatch):
+    """GLM-4.5 (355B)'s q/k norms before the partial RoPE, after the q/k biases."""
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    llm = nbmoe.load(tiny_model("glm4moe", default_type="F32", qk_norm=True), n_ctx=64, threads=2)
+    assert {"attn_q_norm.weight", "attn_k_norm.weight"} <= llm.cfg.present
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    batch = llm.eval(PROMPT)
+    llm.reset()
+    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
+    assert min(cosine_rows(batch, want).min(), cosine_rows(steps, want).min()) >= 0.999
+
+
 def test_glm4moe_q4k_experts_int8_path(tiny_model):
     """The default path (8-bit activations) on Q4_K experts (their 64-wide down projections
     Q5_0, as llama.cpp's quantizer gives them), 256 wide: median cosine to the float64 math."""
