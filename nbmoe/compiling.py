@@ -80,9 +80,10 @@ class _Watch(event.Listener):
 
 def model_key(llm, purpose):
     """What decides which kernels compile: the command's purpose, the architecture and the
-    (buffer type, weight type) pairs of its matrices, repacked or not."""
+    (buffer type, weight type) pairs of its matrices, repacked or not (unplaced tensors, a
+    NextN block's, are never read)."""
     pairs = sorted({(llm.placement[n][0], int(t.ggml_type)) for n, t in llm.file.tensors.items()
-                    if len(t.ne) >= 2})
+                    if len(t.ne) >= 2 and n in llm.placement})
     return f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))} {pairs}"
 
 
@@ -105,7 +106,7 @@ def expected_kernels(llm, purpose):
     if n:
         return int(n), True
     types = {int(t.ggml_type) for name, t in llm.file.tensors.items()
-             if len(t.ne) >= 2 and llm.placement[name][0] == "CPU"}
+             if len(t.ne) >= 2 and name in llm.placement and llm.placement[name][0] == "CPU"}
     return 14 + 2 * len(types), False
 
 

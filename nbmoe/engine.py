@@ -55,7 +55,8 @@ class LLM:
         load_order.preload()     # callees before their callers, as when they compiled
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
-        self.weights = dict(self.file.tensors)
+        # (a NextN block's tensors stay in the file, unread, unplaced, never uploaded)
+        self.weights = {n: t for n, t in self.file.tensors.items() if self.cfg.runs_tensor(n)}
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = usable_threads(threads)

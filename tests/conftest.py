@@ -27,6 +27,11 @@ TINY = {
     "gpt-oss": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64,
                     n_expert=8, n_expert_used=4, n_ff_exp=64, sliding_window=8,
                     yarn=(32.0, 4096), rope_base=150000.0, tie_embeddings=False),
+    # GLM-4.5's parts: a dense layer 0, then experts with a shared one, sigmoid routing with
+    # a selection bias and the 355B's scale, q/k/v biases, 16 of 32 dims rotated, a NextN block
+    "glm4moe": dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+                    n_expert=8, n_expert_used=4, n_ff_exp=64, n_shared=1, n_leading_dense=1,
+                    n_nextn=1, routed_scale=2.5, rope_base=1e6, tie_embeddings=False),
 }
 
 

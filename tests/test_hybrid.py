@@ -382,3 +382,25 @@ def test_gpt_oss_hybrid_equals_cpu(tiny_model, placement):
     ref.eval(ids)
     for tok in (17, 200) if cuda_setup.SIM else (17, 200, 5, 9):
         assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(n_gpu_layers=99),
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),                     # -zce auto
+])
+def test_glm4moe_hybrid_equals_cpu(tiny_model, placement):
+    """glm4moe's variants (a dense layer 0, sigmoid routing with a selection bias and a scale,
+    a shared expert, q/k/v biases, partial RoPE; a NextN block left in RAM unread) on the GPU
+    and split: the CPU engine's logits, batched and token by token."""
+    shape = dict(n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_expert_used=2,
+                 n_ff_exp=32, n_layer=2) if cuda_setup.SIM else {}
+    path = tiny_model("glm4moe", types=[("exps", "Q4_0")], default_type="Q8_0", **shape)
+    ids = PROMPT + [5, 9] if cuda_setup.SIM else PROMPT + [5, 9, 250, 33, 12, 7, 64, 3, 91]
+    llm = load(path, **placement)
+    assert "CUDA0" in llm.backends and not [n for n in llm.placement if n.startswith(
+        f"blk.{llm.cfg.n_layer}.")]
+    assert close(llm.eval(ids), cpu_logits(path, ids), rel=5e-4)
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    ref.eval(ids)
+    for tok in (17, 200) if cuda_setup.SIM else (17, 200, 5, 9):
+        assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)

@@ -86,6 +86,26 @@ def test_gpt_oss_parts_all_move_the_logits(tmp_path):
         reference.SWIGLU_OAI_LIMIT = limit
 
 
+def test_glm4moe_parts_all_move_the_logits(tmp_path):
+    """Each glm4moe part changes the reference's logits well beyond llama.cpp's distance to it:
+    the selection bias, the routed scale, sigmoid gating, partial RoPE, q/k/v biases, the
+    shared expert."""
+    import dataclasses
+    cfg, tensors = reference.load(build("glm4moe-f32", tmp_path / "glm.gguf"))
+    tokens = CASES["glm4moe-f32"]["tokens"]
+    base = reference.forward(cfg, tensors, tokens)
+
+    def moved(**changes):
+        return np.abs(reference.forward(dataclasses.replace(cfg, **changes), tensors, tokens)
+                      - base).max()
+    assert moved(present=cfg.present - {"exp_probs_b.bias"}) > 0.1
+    assert moved(routed_scale=1.0) > 0.1
+    assert moved(gating="softmax") > 0.1
+    assert moved(n_rot=cfg.head_dim) > 0.1
+    assert moved(present=cfg.present - {"attn_q.bias", "attn_k.bias", "attn_v.bias"}) > 0.1
+    assert moved(n_shared_expert=0) > 0.1
+
+
 def test_route_groups_and_selection_bias():
     """Expert groups and the selection bias choose; the weights come from the unbiased
     probabilities (DeepSeek-V3's routing, as llama.cpp's build_moe_ffn)."""

@@ -1,7 +1,7 @@
 """Architecture variants through the engine against the float64 reference: gpt-oss (biases on
 q/k/v/o, the router and the experts, attention sinks, a sliding window on alternate layers,
 YaRN, clamped SwiGLU, softmax over the chosen experts), batched and token by token, on the
-plain and the fused paths, in the float and the 8-bit activation paths.
+plain and the fused paths, in the float and the 8-bit activation paths; and glm4moe the same way.
 """
 import numpy as np
 import pytest
@@ -60,3 +60,89 @@ def test_gpt_oss_config_reads_every_variant(tiny_model):
     assert cfg.yarn and cfg.rope_mscale > 1.0
     ops = {n.op for n in llm.plan(4, 1).graph.nodes}
     assert {"ADD_BIAS", "ADD_BIAS_ID"} <= ops
+
+
+# ---------------------------------------------------------------- glm4moe (GLM-4.5 / 4.5-Air)
+# A dense layer 0, then sigmoid routing with a selection bias and a routed scale, a shared
+# expert, q/k/v biases, partial RoPE (16 of 32 dims), and a NextN block that is not run.
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_glm4moe_float_path_matches_reference(tiny_model, qtype, fused, monkeypatch):
+    """As gpt-oss's: one batch and token by token, cosine >= 0.999, greedy tokens equal."""
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    monkeypatch.setattr(fusion, "ENABLED", fused)
+    llm = nbmoe.load(tiny_model("glm4moe", default_type=qtype), n_ctx=64, threads=2)
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    batch = llm.eval(PROMPT)
+    llm.reset()
+    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
+    for got in (batch, steps):
+        cos = cosine_rows(got, want)
+        print(f"glm4moe {qtype} fused={fused}: min cosine {cos.min():.6f}")
+        assert cos.min() >= 0.999
+    llm.reset()
+    ours = list(llm.generate_ids(PROMPT, max_tokens=12, stop_ids=()))
+    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
+
+
+def test_glm4moe_qk_norm_matches_reference(tiny_model, monkeypatch):
+    """GLM-4.5 (355B)'s q/k norms before the partial RoPE, after the q/k biases."""
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    llm = nbmoe.load(tiny_model("glm4moe", default_type="F32", qk_norm=True), n_ctx=64, threads=2)
+    assert {"attn_q_norm.weight", "attn_k_norm.weight"} <= llm.cfg.present
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    batch = llm.eval(PROMPT)
+    llm.reset()
+    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
+    assert min(cosine_rows(batch, want).min(), cosine_rows(steps, want).min()) >= 0.999
+
+
+def test_glm4moe_q4k_experts_int8_path(tiny_model):
+    """The default path (8-bit activations) on Q4_K experts (their 64-wide down projections
+    Q5_0, as llama.cpp's quantizer gives them), 256 wide: median cosine to the float64 math."""
+    llm = nbmoe.load(tiny_model("glm4moe", types=[("_exps", "Q4_K")], default_type="Q8_0",
+                                n_embd=256), n_ctx=64, threads=2)
+    assert llm.weights["blk.1.ffn_down_exps.weight"].type_name == "Q5_0"
+    cos = cosine_rows(llm.eval(PROMPT), reference.forward(llm.cfg, llm.file.tensors, PROMPT))
+    print(f"glm4moe Q4_K int8: min {cos.min():.6f} median {np.median(cos):.6f}")
+    assert np.median(cos) >= 0.999 and cos.min() >= 0.99
+
+
+def test_glm4moe_config_and_nextn_block(tiny_model, capsys):
+    """The file's 4 blocks are 3 layers and a NextN block whose tensors are accepted, never
+    placed or read; --explain says so."""
+    from nbmoe.cli.bench import explain
+    llm = nbmoe.load(tiny_model("glm4moe", default_type="F32"), n_ctx=32, threads=1)
+    cfg = llm.cfg
+    assert (cfg.n_layer, cfg.n_nextn, cfg.n_leading_dense, cfg.n_shared_expert) == (3, 1, 1, 1)
+    assert cfg.gating == "sigmoid" and cfg.moe_norm_topk and cfg.routed_scale == 2.5
+    assert cfg.n_rot == 16 and cfg.head_dim == 32 and cfg.n_ff_shexp == 64
+    assert cfg.present == {"attn_q.bias", "attn_k.bias", "attn_v.bias", "exp_probs_b.bias"}
+    assert "blk.3.nextn.eh_proj.weight" in llm.file.tensors
+    assert not [n for n in llm.placement if n.startswith("blk.3.")]
+    g = llm.plan(4, 1).graph
+    assert not [n for n in g.nodes if (n.weight or "").startswith("blk.3.")]
+    assert {"ADD_BIAS", "TOPK_MOE"} <= {n.op for n in g.nodes}
+    explain(llm, 4)
+    assert "1 NextN layer not run (blk.3" in capsys.readouterr().err
+
+
+def test_glm4moe_q4k_as_close_as_llamacpp(tmp_path):
+    """On the recorded Q4_K glm4moe (tests/data/llamacpp_tiny), the default path is at least
+    as close to the float64 math as llama.cpp's recorded logits: worst cosine and top-1."""
+    import json
+    import os
+    from make_model import make_model
+    from llamacpp_logits import compare
+    with open(os.path.join(os.path.dirname(__file__), "data", "llamacpp_tiny.json")) as f:
+        record = json.load(f)
+    case = record["cases"]["glm4moe-q4k"]
+    spec = dict(case["make_model"])
+    path = make_model(str(tmp_path / "glm.gguf"), spec.pop("arch"), seed=record["model_seed"], **spec)
+    llm = nbmoe.load(path, n_ctx=64, threads=2)
+    want = reference.forward(llm.cfg, llm.file.tensors, case["tokens"])
+    cos, top1 = compare(llm.eval(case["tokens"]).astype(np.float64), want)
+    theirs = case["llamacpp_vs_reference"]
+    print(f"glm4moe Q4_K: nbmoe worst cosine {cos:.6f} top-1 {top1:.1%}; llama.cpp {theirs}")
+    assert cos >= theirs["worst_cosine"] - 1e-5 and top1 >= theirs["top1"] - 1e-3

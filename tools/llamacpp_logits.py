@@ -66,10 +66,13 @@ def logits(model, tokens, tree=None, threads=2, mode="batch", flash_attn=False):
 
 # Tiny random-weight models (tools/make_model.py arguments) whose llama.cpp logits the tests
 # keep: gpt-oss with every part it has, in F32 and as the published files are typed (MXFP4
-# experts, Q8_0 matrices), and two controls (qwen3moe, a Mixtral-style llama).
+# experts, Q8_0 matrices), two controls (qwen3moe, a Mixtral-style llama), and glm4moe.
 _OSS = dict(arch="gpt-oss", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64,
             n_expert=8, n_expert_used=4, n_ff_exp=64, sliding_window=8, yarn=[32.0, 4096],
             rope_base=150000.0, tie_embeddings=False)
+_GLM = dict(arch="glm4moe", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+            n_expert=8, n_expert_used=4, n_ff_exp=64, n_shared=1, n_leading_dense=1, n_nextn=1,
+            routed_scale=2.5, rope_base=1e6, tie_embeddings=False)
 CASES = {
     "gpt-oss-f32": dict(_OSS, default_type="F32"),
     "gpt-oss-mxfp4": dict(_OSS, default_type="Q8_0", types=[["_exps", "MXFP4"]]),
@@ -77,6 +80,11 @@ CASES = {
                          n_ff=128, n_expert=8, n_expert_used=2, n_ff_exp=64, default_type="F32"),
     "mixtral-f32": dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                         n_expert=4, n_expert_used=2, default_type="F32"),
+    # glm4moe as GLM-4.5-Air (a NextN block that llama.cpp skips too), with GLM-4.5's q/k norms,
+    # and with Q4_K experts (down projections fall back to Q5_0) on 256-wide rows
+    "glm4moe-f32": dict(_GLM, default_type="F32"),
+    "glm4moe-qknorm-f32": dict(_GLM, qk_norm=True, default_type="F32"),
+    "glm4moe-q4k": dict(_GLM, n_embd=256, default_type="Q8_0", types=[["_exps", "Q4_K"]]),
 }
 N_TOKENS, TOKEN_SEED, MODEL_SEED = 24, 0, 0
 # A router whose A-th and (A+1)-th best scores nearly tie flips on any rounding, moving a

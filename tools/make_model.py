@@ -22,8 +22,8 @@ import sys
 import time
 
 import numpy as np
-from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType,
-                  RopeScalingType)
+from gguf import (GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType, GGUFValueType,
+                  GGUFWriter, LlamaFileType, RopeScalingType)
 from gguf.quants import quantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the reference quantizers
@@ -79,16 +79,31 @@ PRESETS = {
                          n_vocab=201088, n_ctx=131072, rope_base=150000.0, rms_eps=1e-5,
                          tie_embeddings=False, sliding_window=128, yarn=(32.0, 4096),
                          types=(("_exps", "MXFP4"),)),
+    # GLM-4.5-Air's config.json as convert_hf_to_gguf.py writes it: q/k/v biases, no q/k
+    # norms, half of each head rotated, 1 shared expert, layer 0 dense, one NextN block after
+    # the 46 layers (kept with --layers); sigmoid routing with a selection bias, scale 1
+    "glm-4.5-air": dict(arch="glm4moe", n_layer=46, n_embd=4096, n_head=96, n_head_kv=8,
+                        head_dim=128, n_ff=10944, n_expert=128, n_expert_used=8, n_ff_exp=1408,
+                        n_shared=1, n_leading_dense=1, n_nextn=1, routed_scale=1.0,
+                        qk_norm=False, n_vocab=151552, n_ctx=131072, rope_base=1e6,
+                        rms_eps=1e-5, tie_embeddings=False),
 }
 
-ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss", "glm4moe")
+
+# llama.cpp's quantizer gives a row too short for a 256-value block this 32-value type
+# instead (llama-quant.cpp): GLM-4.5's 1408-wide experts get Q5_0 down projections under Q4_K
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+            "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL",
+            "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL"}
 
 # std of gpt-oss's F32 vectors, by role: against matmul outputs of std ~1 they shift q/k/v,
 # the router's choice and the experts visibly; gate/up biases push some gate values past
 # swiglu_oai's clamp at 7. Sinks: per-head logits around SINK_MEAN.
 BIAS_STD = {"attn_q.bias": 0.5, "attn_k.bias": 0.5, "attn_v.bias": 0.5, "attn_output.bias": 0.5,
             "ffn_gate_inp.bias": 0.5, "ffn_gate_exps.bias": 2.5, "ffn_up_exps.bias": 2.5,
-            "ffn_down_exps.bias": 0.5, "attn_sinks.weight": 1.5}
+            "ffn_down_exps.bias": 0.5, "attn_sinks.weight": 1.5,
+            "exp_probs_b.bias": 0.2}    # against sigmoid scores of std ~0.2: moves some choices
 SINK_MEAN = 1.0
 
 
@@ -101,40 +116,57 @@ def smollm2_path():
 
 
 def tensor_plan(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp,
-                n_vocab, tie_embeddings):
+                n_vocab, tie_embeddings, n_shared=0, n_leading_dense=0, n_nextn=0, qk_norm=False):
     """[(name, numpy shape, kind)] in file order; kind is 'matrix', 'norm', 'router' or
-    'bias' (gpt-oss's biases and sinks)."""
+    'bias' (gpt-oss's biases and sinks, glm4moe's q/k/v biases and selection bias).
+    glm4moe: n_nextn NextN blocks follow the n_layer layers (a whole MoE layer each, plus the
+    draft head's projection and norms)."""
     D, Dh, E, F = n_embd, head_dim, n_expert, n_ff_exp
     oss = arch == "gpt-oss"         # biases everywhere, sinks, the FFN pre-norm's other name
+    glm = arch == "glm4moe"         # q/k/v biases, the FFN pre-norm as gpt-oss's
+    biased = {"attn_q", "attn_k", "attn_v"} if glm else set()
     plan = [("token_embd.weight", (n_vocab, D), "matrix")]                       # [V, D]
-    for i in range(n_layer):
+    for i in range(n_layer + n_nextn):
         b = f"blk.{i}."
 
         def linear(role, shape):
             plan.append((b + role + ".weight", shape, "router" if role == "ffn_gate_inp" else "matrix"))
-            if oss:
+            if oss or role in biased:
                 plan.append((b + role + ".bias", shape[:-1], "bias"))
         plan.append((b + "attn_norm.weight", (D,), "norm"))
+        norms = arch in ("qwen3", "qwen3moe") or (glm and qk_norm)
         linear("attn_q", (n_head * Dh, D))                                       # [H*Dh, D]
-        if arch in ("qwen3", "qwen3moe"):
+        if norms:
             plan.append((b + "attn_q_norm.weight", (Dh,), "norm"))
         linear("attn_k", (n_head_kv * Dh, D))                                    # [Hkv*Dh, D]
-        if arch in ("qwen3", "qwen3moe"):
+        if norms:
             plan.append((b + "attn_k_norm.weight", (Dh,), "norm"))
         linear("attn_v", (n_head_kv * Dh, D))                                    # [Hkv*Dh, D]
         linear("attn_output", (D, n_head * Dh))                                  # [D, H*Dh]
         if oss:
             plan.append((b + "attn_sinks.weight", (n_head,), "bias"))           # [H]
-        plan.append((b + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (D,), "norm"))
-        if E:
+        plan.append((b + ("post_attention_norm" if oss or glm else "ffn_norm") + ".weight", (D,),
+                     "norm"))
+        if E and i >= n_leading_dense:
             linear("ffn_gate_inp", (E, D))                                       # [E, D]
+            if glm:
+                plan.append((b + "exp_probs_b.bias", (E,), "bias"))             # [E]
             linear("ffn_gate_exps", (E, F, D))                                   # [E, F, D]
             linear("ffn_up_exps", (E, F, D))                                     # [E, F, D]
             linear("ffn_down_exps", (E, D, F))                                   # [E, D, F]
+            if n_shared:
+                Fs = F * n_shared
+                plan.append((b + "ffn_gate_shexp.weight", (Fs, D), "matrix"))   # [Fs, D]
+                plan.append((b + "ffn_up_shexp.weight", (Fs, D), "matrix"))     # [Fs, D]
+                plan.append((b + "ffn_down_shexp.weight", (D, Fs), "matrix"))   # [D, Fs]
         else:
             plan.append((b + "ffn_gate.weight", (n_ff, D), "matrix"))           # [F, D]
             plan.append((b + "ffn_up.weight", (n_ff, D), "matrix"))             # [F, D]
             plan.append((b + "ffn_down.weight", (D, n_ff), "matrix"))           # [D, F]
+        if i >= n_layer:            # the NextN head: [embedding; hidden] -> hidden, its norms
+            plan.append((b + "nextn.eh_proj.weight", (D, 2 * D), "matrix"))     # [D, 2D]
+            for role in ("enorm", "hnorm", "shared_head_norm"):
+                plan.append((b + f"nextn.{role}.weight", (D,), "norm"))
     plan.append(("output_norm.weight", (D,), "norm"))
     if not tie_embeddings:
         plan.append(("output.weight", (n_vocab, D), "matrix"))                  # [V, D]
@@ -239,11 +271,15 @@ class _BlockPool:
 def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None, n_ff,
                n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
                default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
-               rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, name=None, seed=0):
+               rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, name=None, seed=0,
+               n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False):
     """Write a random-weight GGUF of architecture arch to path; returns path.
 
     gpt-oss: sliding_window (tokens, on the even layers; required), yarn = (factor, original
-    context length) or None. The same arguments and seed write the same bytes.
+    context length) or None. glm4moe: n_shared shared experts (n_shared * n_ff_exp wide), the
+    first n_leading_dense layers dense (n_ff wide), n_nextn NextN blocks after the n_layer
+    layers, routed_scale on the experts' weights, qk_norm (GLM-4.5's q/k norms); half of
+    each head rotated. The same arguments and seed write the same bytes.
 
     types: ordered [(regex, type name)] matched with re.search on tensor names, first match
     wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
@@ -251,10 +287,16 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch '{arch}' (known: {', '.join(ARCHS)})")
-    if (arch in ("qwen3moe", "gpt-oss") and not n_expert) or (arch == "qwen3" and n_expert):
+    if (arch in ("qwen3moe", "gpt-oss", "glm4moe") and not n_expert) or (arch == "qwen3" and n_expert):
         raise ValueError(f"{arch} needs n_expert > 0" if not n_expert else "qwen3 is dense")
     if arch == "gpt-oss" and not sliding_window:
         raise ValueError("gpt-oss needs sliding_window > 0")
+    if arch != "glm4moe" and (n_shared or n_leading_dense or n_nextn or qk_norm
+                              or routed_scale != 1.0):
+        raise ValueError("shared experts, leading dense layers, NextN blocks, routed_scale and "
+                         "qk_norm are glm4moe's")
+    if not 0 <= n_leading_dense < n_layer:
+        raise ValueError(f"need 0 <= n_leading_dense < n_layer, got {n_leading_dense}")
     if n_expert and not 1 <= n_expert_used <= n_expert:
         raise ValueError(f"need 1 <= n_expert_used <= n_expert, got {n_expert_used}, {n_expert}")
     head_dim = head_dim or n_embd // n_head
@@ -271,18 +313,25 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
 
     plan = tensor_plan(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                        head_dim=head_dim, n_ff=n_ff, n_expert=n_expert, n_ff_exp=n_ff_exp,
-                       n_vocab=n_vocab, tie_embeddings=tie_embeddings)
-    typed = []
+                       n_vocab=n_vocab, tie_embeddings=tie_embeddings, n_shared=n_shared,
+                       n_leading_dense=n_leading_dense, n_nextn=n_nextn, qk_norm=qk_norm)
+    typed, fallbacks = [], {}
     for tname, shape, kind in plan:
         type_name = pick_type(tname, kind, types, default_type)
         if type_name not in QUANTIZERS:
             raise ValueError(f"{tname}: no quantizer for type '{type_name}' "
                              f"(have: {', '.join(QUANTIZERS)})")
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        if shape[-1] % block and type_name in FALLBACK:
+            fallbacks[type_name] = type_name = FALLBACK[type_name]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
         if shape[-1] % block:
             raise ValueError(f"{tname}: row length {shape[-1]} is not a multiple of {type_name}'s "
                              f"block of {block}; give it another type with types/--type")
         typed.append((tname, shape, kind, type_name, math.prod(shape) // block * type_size))
+    for old, new in fallbacks.items():
+        print(f"make_model: rows too short for {old}'s blocks are {new} (as llama.cpp's quantizer)",
+              file=sys.stderr)
 
     w = GGUFWriter(path, arch)
     w.add_name(name or f"nbmoe random {arch}")
@@ -291,7 +340,7 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
         ftype = "MOSTLY_MXFP4_MOE"
     w.add_file_type(getattr(LlamaFileType, ftype, LlamaFileType.GUESSED))
     w.add_quantization_version(2)
-    w.add_block_count(n_layer)
+    w.add_block_count(n_layer + n_nextn)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
@@ -300,15 +349,24 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_base)
-    if arch != "gpt-oss":          # gpt-oss's files leave it to default to key_length
+    if arch == "glm4moe":          # partial_rotary_factor 0.5
+        w.add_rope_dimension_count(head_dim // 2)
+    elif arch != "gpt-oss":        # gpt-oss's files leave it to default to key_length
         w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if arch in ("qwen3moe", "gpt-oss"):
+        if arch in ("qwen3moe", "gpt-oss", "glm4moe"):
             w.add_expert_feed_forward_length(n_ff_exp)
+    if arch == "glm4moe":          # the keys convert_hf_to_gguf.py's Glm4MoeModel writes
+        w.add_expert_shared_count(n_shared)
+        w.add_leading_dense_block_count(n_leading_dense)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(float(routed_scale))
+        w.add_expert_weights_norm(True)
+        w.add_nextn_predict_layers(n_nextn)
     if sliding_window:
         w.add_sliding_window(sliding_window)
     if yarn:
@@ -380,7 +438,9 @@ def main(argv=None):
         shape["n_layer"] = args.layers
     for item in args.overrides:
         key, _, value = item.partition("=")
-        known = sorted(set(shape) | {"head_dim", "n_expert", "n_expert_used", "n_ff_exp"})
+        known = sorted(set(shape) | {"head_dim", "n_expert", "n_expert_used", "n_ff_exp"}
+                       | ({"n_shared", "n_leading_dense", "n_nextn", "routed_scale", "qk_norm"}
+                          if arch == "glm4moe" else set()))
         if key not in known or not value:
             ap.error(f"--set wants KEY=VALUE with KEY one of {', '.join(known)}; got '{item}'")
         try:

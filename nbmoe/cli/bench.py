@@ -75,7 +75,8 @@ def parse_args(argv=None):
 
 def model_facts(llm):
     """Size, parameter count and weight bytes read per generated token (active experts)."""
-    cfg, tensors = llm.cfg, llm.file.tensors
+    cfg = llm.cfg         # a NextN block is neither loaded nor read (as llama.cpp without MTP)
+    tensors = {n: t for n, t in llm.file.tensors.items() if cfg.runs_tensor(n)}
     size = sum(t.n_bytes for t in tensors.values())
     n_params = sum(int(np.prod(t.ne)) for t in tensors.values())
     per_token = ram_per_token = 0.0
@@ -201,6 +202,10 @@ def explain(llm, ubatch):
     console.print(legend())
     for line in unfused_lines(llm, sorted({1, ubatch})):
         console.print(line, highlight=False)
+    if llm.cfg.n_nextn:
+        n, il = llm.cfg.n_nextn, llm.cfg.n_layer
+        console.print(f"{n} NextN layer{'s' * (n > 1)} not run (blk.{il}"
+                      f"{f'..{il + n - 1}' if n > 1 else ''}: the file's draft head)", highlight=False)
 
 
 def show_timings(llm, kind, n, n_batch, rng):

@@ -61,6 +61,13 @@ ARCHITECTURES = {
                          optional=_BIASES + ("attn_sinks.weight", "ffn_gate_inp.bias",
                                              "ffn_gate_exps.bias", "ffn_up_exps.bias",
                                              "ffn_down_exps.bias")),
+    # GLM-4.5 / 4.5-Air: q/k/v biases, q/k norms on the 355B only, sigmoid routing with a
+    # selection bias, one shared expert, dense leading layers, half the head rotated, and a
+    # NextN (MTP) block after the last layer, kept in the file but not run
+    "glm4moe": ArchFlags(rope_neox=True, qk_norm=False, moe_norm_topk=False, gating="sigmoid",
+                         ffn_norm="post_attention_norm", skip_nextn=True,
+                         optional=_BIASES[:3] + ("attn_q_norm.weight", "attn_k_norm.weight",
+                                                 "exp_probs_b.bias")),
 }
 
 
@@ -96,6 +103,7 @@ class ModelConfig:
     yarn: tuple = ()            # (ext_factor, n_ctx_orig, beta_fast, beta_slow): YaRN RoPE
     rope_mscale: float = 1.0    # cos and sin are multiplied by this (YaRN's attention factor)
     present: frozenset = field(default_factory=frozenset)   # OPTIONAL_ROLES in the file
+    n_nextn: int = 0            # blocks after the last layer that are not run (skip_nextn)
 
     @property
     def is_moe(self):
@@ -103,6 +111,12 @@ class ModelConfig:
 
     def is_moe_layer(self, il):
         return self.n_expert > 0 and il >= self.n_leading_dense
+
+    def runs_tensor(self, name):
+        """Is `name` outside the blocks that are not run (a NextN block's tensors)?"""
+        if not self.n_nextn or not name.startswith("blk."):
+            return True
+        return int(name.split(".", 2)[1]) < self.n_layer
 
     def has(self, role):
         """Does every layer that has this part carry the optional tensor `role`?"""
@@ -178,8 +192,14 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
     head_dim = int(meta.get(a + "attention.key_length", n_embd // n_head))
     n_vocab = meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or n_vocab_tensor
     n_layer = int(_get(meta, a + "block_count"))
-    if flags.skip_nextn:
-        n_layer -= int(meta.get(a + "nextn_predict_layers", 0))
+    n_nextn = int(meta.get(a + "nextn_predict_layers", 0)) if flags.skip_nextn else 0
+    if not 0 <= n_nextn < n_layer:
+        raise NbmoeError(f"bad {a}nextn_predict_layers = {n_nextn} with {a}block_count = {n_layer}")
+    n_layer -= n_nextn
+    sections = meta.get(a + "rope.dimension_sections")
+    if sections is not None and len(sections) > 1 and min(sections[:2]) > 0:  # multimodal RoPE
+        raise NbmoeError(f"unsupported {a}rope.dimension_sections = {list(sections)}; "
+                         "nbmoe runs text models with one RoPE section")
     # llama.cpp reads a missing scaling type as linear: a bare factor scales positions
     scaling = _choice(meta, a + "rope.scaling.type", meta.get(a + "rope.scaling.type") or "linear",
                       ("none", "linear", "yarn"))
@@ -237,4 +257,5 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
         yarn=yarn,
         rope_mscale=mscale,
         present=frozenset(r for r in flags.optional if r in roles),
+        n_nextn=n_nextn,
     )
