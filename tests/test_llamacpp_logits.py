@@ -117,3 +117,23 @@ def test_partial_rope_leaves_the_other_dims():
     np.testing.assert_array_equal(y[..., 4:], x[..., 4:])
     r = np.hypot(y[..., [0, 1]], y[..., [2, 3]])          # neox pairs (0, 2), (1, 3)
     np.testing.assert_allclose(r, 1.3 * np.hypot(x[..., [0, 1]], x[..., [2, 3]]))
+
+
+def test_deepseek_parts_all_move_the_logits(tmp_path):
+    """Each deepseek2 part the reference implements moves its logits well beyond llama.cpp's
+    distance to it (0.005): YaRN (its ramp, its kq scale), the selection bias, the groups, the
+    routed scale and the weights' normalisation."""
+    import dataclasses
+    cfg, tensors = reference.load(build("deepseek-v3-f32", tmp_path / "v3.gguf"))
+    tokens = CASES["deepseek-v3-f32"]["tokens"]
+    base = reference.forward(cfg, tensors, tokens)
+
+    def moved(**changes):
+        return np.abs(reference.forward(dataclasses.replace(cfg, **changes), tensors, tokens)
+                      - base).max()
+    assert moved(attn_mscale=1.0) > 0.1
+    assert moved(yarn=()) > 0.1
+    assert moved(present=cfg.present - {"exp_probs_b.bias"}) > 0.1
+    assert moved(n_group=0) > 0.1
+    assert moved(routed_scale=1.0) > 0.1
+    assert moved(moe_norm_topk=False) > 0.1
