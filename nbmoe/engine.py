@@ -84,7 +84,8 @@ class LLM:
             raise NbmoeError(f"context size must be 0 or more (0 = the model's "
                              f"{self.cfg.n_ctx_train}), got {n_ctx}")
         n_ctx = n_ctx or self.cfg.n_ctx_train      # as llama.cpp's -c 0
-        kv_place = [self.placement[f"blk.{il}.attn_q.weight"][0] for il in range(self.cfg.n_layer)]
+        kv_role = "attn_kv_a_mqa" if self.cfg.is_mla else "attn_q"     # where the layer's keys are made
+        kv_place = [self.placement[f"blk.{il}.{kv_role}.weight"][0] for il in range(self.cfg.n_layer)]
         self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
         self.n_ctx = n_ctx
         self.state = _State(self.kv)

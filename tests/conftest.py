@@ -32,7 +32,19 @@ TINY = {
     "glm4moe": dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                     n_expert=8, n_expert_used=4, n_ff_exp=64, n_shared=1, n_leading_dense=1,
                     n_nextn=1, routed_scale=2.5, rope_base=1e6, tie_embeddings=False),
+    # DeepSeek-V2-Lite's parts (MLA without q lora, a leading dense layer, 2 shared experts,
+    # softmax gating, YaRN with its log multiplier); deepseek2_v3 below holds V3's
+    "deepseek2": dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=1, n_ff=128, n_expert=8,
+                      n_expert_used=2, n_ff_exp=32, yarn=(40.0, 4096), tie_embeddings=False,
+                      mla=dict(kv_lora_rank=64, rope_dim=16, nope_dim=32, v_dim=32, n_dense=1,
+                               q_lora_rank=0, n_shared=2, mscale_all_dim=0.707)),
 }
+# DeepSeek-V3's parts: q through q_lora_rank, sigmoid gating with exp_probs_b, 4 groups / top 2,
+# routed scale, normalised weights: tiny_model("deepseek2", **DEEPSEEK_V3)
+DEEPSEEK_V3 = dict(n_expert=16, n_expert_used=4,
+                   mla=dict(kv_lora_rank=64, rope_dim=16, nope_dim=32, v_dim=32, n_dense=1,
+                            q_lora_rank=32, n_shared=1, gating="sigmoid", n_group=4, topk_group=2,
+                            routed_scale=2.5, norm_topk=True, mscale_all_dim=1.0))
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +56,7 @@ def tiny_model(tmp_path_factory):
     def make(arch, types=None, **shape):
         kwargs = {**TINY[arch], **shape}
         types = tuple(tuple(t) if not isinstance(t, str) else t for t in (types or ()))
-        key = (arch, types, tuple(sorted(kwargs.items())))
+        key = (arch, types, repr(sorted(kwargs.items())))     # repr: values may be dicts
         if key not in built:
             path = str(root / f"{arch}-{len(built)}.gguf")
             built[key] = make_model(path, arch, types=list(types), **kwargs)

@@ -404,3 +404,24 @@ def test_glm4moe_hybrid_equals_cpu(tiny_model, placement):
     ref.eval(ids)
     for tok in (17, 200) if cuda_setup.SIM else (17, 200, 5, 9):
         assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(n_gpu_layers=99),
+    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),                     # -zce auto
+])
+def test_deepseek2_hybrid_equals_cpu(tiny_model, placement):
+    """deepseek2 (MLA with its latent cache, q lora, sigmoid + bias + groups, shared expert)
+    on the GPU and split: the CPU engine's logits, batched and token by token."""
+    from conftest import DEEPSEEK_V3
+    mla = dict(DEEPSEEK_V3["mla"], n_dense=0 if cuda_setup.SIM else 1)
+    path = tiny_model("deepseek2", **{**DEEPSEEK_V3, "mla": mla}, n_layer=1 if cuda_setup.SIM else 2,
+                      default_type="Q8_0")
+    ids = PROMPT + [5, 9]
+    llm = load(path, **placement)
+    assert "CUDA0" in llm.backends
+    assert close(llm.eval(ids), cpu_logits(path, ids), rel=5e-4)
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    ref.eval(ids)
+    for tok in (17, 200):
+        assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)

@@ -146,3 +146,77 @@ def test_glm4moe_q4k_as_close_as_llamacpp(tmp_path):
     theirs = case["llamacpp_vs_reference"]
     print(f"glm4moe Q4_K: nbmoe worst cosine {cos:.6f} top-1 {top1:.1%}; llama.cpp {theirs}")
     assert cos >= theirs["worst_cosine"] - 1e-5 and top1 >= theirs["top1"] - 1e-3
+
+
+# ---------------------------------------------------------------- deepseek2 (MLA)
+
+def _deepseek(tiny_model, variant, qtype):
+    from conftest import DEEPSEEK_V3
+    return tiny_model("deepseek2", default_type=qtype, **(DEEPSEEK_V3 if variant == "v3" else {}))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("variant", ["v2-lite", "v3"])
+def test_deepseek2_matches_reference(tiny_model, variant, qtype, fused, monkeypatch):
+    """MLA (the cache holds a token's latent and roped key part; k_b absorbed into the query),
+    YaRN with the log multiplier, a leading dense layer, shared experts, and V2-Lite's softmax
+    or V3's q lora, sigmoid + selection bias + groups + scale: logits of a prompt and of the
+    same tokens one at a time, cosine >= 0.999 per position; 12 greedy tokens as the reference's."""
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    monkeypatch.setattr(fusion, "ENABLED", fused)
+    llm = nbmoe.load(_deepseek(tiny_model, variant, qtype), n_ctx=64, threads=2)
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    batch = llm.eval(PROMPT)
+    llm.reset()
+    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
+    for got in (batch, steps):
+        cos = cosine_rows(got, want)
+        print(f"deepseek2 {variant} {qtype} fused={fused}: min cosine {cos.min():.6f}")
+        assert cos.min() >= 0.999
+    llm.reset()
+    ours = list(llm.generate_ids(PROMPT, max_tokens=12, stop_ids=()))
+    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
+
+
+def test_deepseek2_int8_path(tiny_model):
+    """The default path (8-bit activations) on Q8_0: close to the float64 math (median; a
+    rounding may flip a near-tied expert at a position)."""
+    from conftest import DEEPSEEK_V3
+    llm = nbmoe.load(tiny_model("deepseek2", default_type="Q8_0", **DEEPSEEK_V3), n_ctx=64, threads=2)
+    cos = cosine_rows(llm.eval(PROMPT), reference.forward(llm.cfg, llm.file.tensors, PROMPT))
+    print(f"deepseek2 v3 Q8_0 int8: min {cos.min():.6f} median {np.median(cos):.6f}")
+    assert np.median(cos) >= 0.999 and cos.min() >= 0.99
+
+
+def test_deepseek2_config_and_cache(tiny_model):
+    """Every MLA field read from the file; one cache array a layer, R + Dr wide, one kv head."""
+    from conftest import DEEPSEEK_V3
+    cfg = nbmoe.load(_deepseek(tiny_model, "v2-lite", "F32"), n_ctx=32, threads=1).cfg
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_dim, cfg.n_rot, cfg.v_head_dim) == (64, 0, 32, 16, 32)
+    assert (cfg.n_head_kv, cfg.head_dim, cfg.n_leading_dense, cfg.n_shared_expert) == (1, 80, 1, 2)
+    assert cfg.gating == "softmax" and not cfg.moe_norm_topk and cfg.yarn and cfg.rope_mscale == 1.0
+    assert cfg.yarn_log_mul == pytest.approx(0.707)
+    # llama.cpp's kq scale: (1 + 0.1 * 0.707 * ln 40)^2 / sqrt(Dn + Dr)
+    assert cfg.attn_scale == pytest.approx((1 + 0.0707 * np.log(40)) ** 2 / np.sqrt(48), rel=1e-6)
+    llm = nbmoe.load(tiny_model("deepseek2", default_type="F32", **DEEPSEEK_V3), n_ctx=32, threads=1)
+    c = llm.cfg
+    assert (c.q_lora_rank, c.gating, c.n_group, c.topk_group, c.routed_scale, c.moe_norm_topk) == (
+        32, "sigmoid", 4, 2, 2.5, True)
+    assert "exp_probs_b.bias" in c.present
+    assert llm.kv.k is llm.kv.v and llm.kv.k[0].shape == (32, 1, 80)
+    assert llm.kv.n_bytes == 2 * 32 * 80 * 2
+
+
+def test_deepseek2_refuses_the_old_mla_layout(tiny_model):
+    """A file with the single attn_kv_b (before llama.cpp split it) is one line naming it."""
+    from nbmoe.errors import NbmoeError
+    from nbmoe.model.arch import config_from_meta
+    from nbmoe.loader.gguf_file import GGUFFile
+    f = GGUFFile(_deepseek(tiny_model, "v2-lite", "F32"))
+    names = [n.replace("attn_k_b", "attn_kv_b") for n in f.tensors]
+    with pytest.raises(NbmoeError, match=r"blk\.0\.attn_kv_b\.weight"):
+        config_from_meta(f.meta, None, names)
+    meta = {k: v for k, v in f.meta.items() if not k.endswith("key_length_mla")}
+    with pytest.raises(NbmoeError, match="key_length_mla"):
+        config_from_meta(meta, None, list(f.tensors))

@@ -4,6 +4,7 @@
     python tools/llamacpp_logits.py model.gguf --tokens 1,2,3 -o logits.npy
     python tools/llamacpp_logits.py model.gguf --random 24 --compare      # vs reference.py
     python tools/llamacpp_logits.py --record tests/data/llamacpp_tiny      # the tests' numbers
+    python tools/llamacpp_logits.py --record tests/data/llamacpp_deepseek
 
 The llama.cpp tree (--llama-cpp, else $LLAMA_CPP_DIR, else the one tools/llamacpp_bench.sh
 builds) must hold include/, ggml/include/ and build/bin/libllama.so (cmake with
@@ -86,6 +87,26 @@ CASES = {
     "glm4moe-qknorm-f32": dict(_GLM, qk_norm=True, default_type="F32"),
     "glm4moe-q4k": dict(_GLM, n_embd=256, default_type="Q8_0", types=[["_exps", "Q4_K"]]),
 }
+# deepseek2 (kept in llamacpp_deepseek.*): V2-Lite's shape (plain attn_q, softmax gating,
+# 2 shared experts) and V3's (q through q_lora_rank, sigmoid gating with exp_probs_b, expert
+# groups, routed scale, norm_topk), both with MLA, a leading dense layer and YaRN with the
+# log multiplier, in F32 and Q8_0.
+_MLA = dict(kv_lora_rank=64, rope_dim=16, nope_dim=32, v_dim=32, n_dense=1)
+_LITE = dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=1, n_ff=128, n_expert=8,
+             n_expert_used=2, n_ff_exp=32, yarn=[40.0, 4096], tie_embeddings=False,
+             mla=dict(_MLA, q_lora_rank=0, n_shared=2, mscale_all_dim=0.707))
+_V3 = dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=1, n_ff=128, n_expert=16,
+           n_expert_used=4, n_ff_exp=32, yarn=[40.0, 4096], tie_embeddings=False,
+           mla=dict(_MLA, q_lora_rank=32, n_shared=1, gating="sigmoid", n_group=4, topk_group=2,
+                    routed_scale=2.5, norm_topk=True, mscale_all_dim=1.0))
+DEEPSEEK_CASES = {
+    "deepseek-v2-lite-f32": dict(_LITE, default_type="F32"),
+    "deepseek-v2-lite-q8_0": dict(_LITE, default_type="Q8_0"),
+    "deepseek-v3-f32": dict(_V3, default_type="F32"),
+    "deepseek-v3-q8_0": dict(_V3, default_type="Q8_0"),
+}
+# --record PREFIX writes the cases of the file PREFIX names
+CASE_SETS = {"llamacpp_tiny": CASES, "llamacpp_deepseek": DEEPSEEK_CASES}
 N_TOKENS, TOKEN_SEED, MODEL_SEED = 24, 0, 0
 # A router whose A-th and (A+1)-th best scores nearly tie flips on any rounding, moving a
 # whole position: the recorded prompts keep every layer's gap above this.
@@ -101,6 +122,13 @@ def router_gap(cfg, tensors, tokens):
     def spy(logits, cfg, select_bias=None):
         # softmax and sigmoid keep the logits' order: measure the gap where rounding happens
         s = logits if select_bias is None else reference.scores(logits, cfg, select_bias)[1]
+        if cfg.n_group > 1:   # the groups' scores choose first, then experts of the kept groups
+            g = s.reshape(len(s), cfg.n_group, -1)
+            score = np.sort(g, -1)[..., -2:].sum(-1)                     # [T, n_group]
+            ranked = np.sort(score, -1)[:, ::-1]
+            gaps.append((ranked[:, cfg.topk_group - 1] - ranked[:, cfg.topk_group]).min())
+            keep = score >= ranked[:, cfg.topk_group - 1:cfg.topk_group]
+            s = np.where(keep[..., None], g, -np.inf).reshape(len(s), -1)
         choose = np.sort(s, -1)[:, ::-1]
         gaps.append((choose[:, cfg.n_expert_used - 1] - choose[:, cfg.n_expert_used]).min())
         return route(logits, cfg, select_bias)
@@ -128,7 +156,8 @@ def fingerprint(path):
 
 def record(prefix, tree=None, threads=2):
     """Write prefix.json (cases, token ids, fingerprints, provenance) and prefix.npz (llama.cpp's
-    logits per case, float16) for tests/test_llamacpp_logits.py."""
+    logits per case, float16) for tests/test_llamacpp_logits.py: the cases of CASE_SETS named
+    by prefix's file name."""
     import json
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
@@ -142,7 +171,7 @@ def record(prefix, tree=None, threads=2):
             "model_seed": MODEL_SEED, "cases": {}}
     arrays = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, spec in CASES.items():
+        for name, spec in CASE_SETS[os.path.basename(prefix)].items():
             kw = {k: v for k, v in spec.items() if k != "arch"}
             path = make_model(os.path.join(tmp, name + ".gguf"), spec["arch"], seed=MODEL_SEED, **kw)
             cfg, tensors = reference.load(path)

@@ -52,6 +52,18 @@ QUANTIZERS.update({name: functools.partial(ref_quant_iq.quantize, name=name)
 
 POOL_VALUES = 1 << 21  # values per block pool: 64k Q8_0 blocks
 
+# deepseek2's MLA and routing (make_model's `mla` argument; defaults in MLA_DEFAULTS), from
+# the models' config.json: kv_lora_rank, q_lora_rank (0: V2-Lite's plain attn_q), the roped /
+# unroped dims of a q / k head, a v head's dims, leading dense layers, shared experts, gating
+# (softmax; sigmoid with the exp_probs_b selection bias), expert groups, routed scale,
+# norm_topk, and YaRN's mscale_all_dim (written x 0.1 as yarn_log_multiplier).
+MLA_DEFAULTS = dict(kv_lora_rank=512, q_lora_rank=0, rope_dim=64, nope_dim=128, v_dim=128,
+                    n_dense=1, n_shared=1, gating="softmax", n_group=0, topk_group=0,
+                    routed_scale=1.0, norm_topk=False, mscale_all_dim=None)
+_V2_LITE = dict(MLA_DEFAULTS, n_shared=2, mscale_all_dim=0.707)
+_V3 = dict(MLA_DEFAULTS, q_lora_rank=1536, n_dense=3, gating="sigmoid", n_group=8, topk_group=4,
+           routed_scale=2.5, norm_topk=True, mscale_all_dim=1.0)
+
 PRESETS = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4,
                           head_dim=128, n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768,
@@ -87,9 +99,21 @@ PRESETS = {
                         n_shared=1, n_leading_dense=1, n_nextn=1, routed_scale=1.0,
                         qk_norm=False, n_vocab=151552, n_ctx=131072, rope_base=1e6,
                         rms_eps=1e-5, tie_embeddings=False),
+    # as convert_hf_to_gguf.py writes DeepSeek (MLA split into attn_k_b / attn_v_b, one kv head);
+    # attn_k_b's rows (128) fit no 256-block type: Q8_0, as llama.cpp's quantizer falls back
+    "deepseek-v2-lite": dict(arch="deepseek2", n_layer=27, n_embd=2048, n_head=16, n_head_kv=1,
+                             n_ff=10944, n_expert=64, n_expert_used=6, n_ff_exp=1408,
+                             n_vocab=102400, n_ctx=163840, rope_base=10000.0, rms_eps=1e-6,
+                             tie_embeddings=False, yarn=(40.0, 4096), mla=_V2_LITE,
+                             types=(("attn_k_b", "Q8_0"),)),
+    "deepseek-v3": dict(arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1,
+                        n_ff=18432, n_expert=256, n_expert_used=8, n_ff_exp=2048,
+                        n_vocab=129280, n_ctx=163840, rope_base=10000.0, rms_eps=1e-6,
+                        tie_embeddings=False, yarn=(40.0, 4096), mla=_V3,
+                        types=(("attn_k_b", "Q8_0"),)),
 }
 
-ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss", "glm4moe")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
 
 # llama.cpp's quantizer gives a row too short for a 256-value block this 32-value type
 # instead (llama-quant.cpp): GLM-4.5's 1408-wide experts get Q5_0 down projections under Q4_K
@@ -116,11 +140,15 @@ def smollm2_path():
 
 
 def tensor_plan(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp,
-                n_vocab, tie_embeddings, n_shared=0, n_leading_dense=0, n_nextn=0, qk_norm=False):
+                n_vocab, tie_embeddings, n_shared=0, n_leading_dense=0, n_nextn=0, qk_norm=False,
+                mla=None):
     """[(name, numpy shape, kind)] in file order; kind is 'matrix', 'norm', 'router' or
-    'bias' (gpt-oss's biases and sinks, glm4moe's q/k/v biases and selection bias).
-    glm4moe: n_nextn NextN blocks follow the n_layer layers (a whole MoE layer each, plus the
-    draft head's projection and norms)."""
+    'bias' (gpt-oss's biases and sinks, glm4moe's q/k/v biases and selection bias,
+    deepseek's selection bias). glm4moe: n_nextn NextN blocks follow the n_layer layers (a
+    whole MoE layer each, plus the draft head's projection and norms)."""
+    if arch == "deepseek2":
+        return _deepseek2_plan(n_layer, n_embd, n_head, n_ff, n_expert, n_ff_exp, n_vocab,
+                               tie_embeddings, mla)
     D, Dh, E, F = n_embd, head_dim, n_expert, n_ff_exp
     oss = arch == "gpt-oss"         # biases everywhere, sinks, the FFN pre-norm's other name
     glm = arch == "glm4moe"         # q/k/v biases, the FFN pre-norm as gpt-oss's
@@ -171,6 +199,71 @@ def tensor_plan(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_e
     if not tie_embeddings:
         plan.append(("output.weight", (n_vocab, D), "matrix"))                  # [V, D]
     return plan
+
+
+def _deepseek2_plan(n_layer, D, H, n_ff, E, F, n_vocab, tie_embeddings, m):
+    """deepseek2's tensors (llama.cpp's names). R kv_lora_rank, Rq q_lora_rank, Dn / Dr the
+    unroped / roped dims of a head, Dv a v head, Fs the shared experts' width."""
+    R, Rq, Dn, Dr, Dv = m["kv_lora_rank"], m["q_lora_rank"], m["nope_dim"], m["rope_dim"], m["v_dim"]
+    Fs = F * m["n_shared"]
+    plan = [("token_embd.weight", (n_vocab, D), "matrix")]                       # [V, D]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        plan.append((b + "attn_norm.weight", (D,), "norm"))
+        if Rq:
+            plan += [(b + "attn_q_a_norm.weight", (Rq,), "norm"),
+                     (b + "attn_q_a.weight", (Rq, D), "matrix"),                # [Rq, D]
+                     (b + "attn_q_b.weight", (H * (Dn + Dr), Rq), "matrix")]    # [H*(Dn+Dr), Rq]
+        else:
+            plan.append((b + "attn_q.weight", (H * (Dn + Dr), D), "matrix"))    # [H*(Dn+Dr), D]
+        plan += [(b + "attn_kv_a_norm.weight", (R,), "norm"),
+                 (b + "attn_kv_a_mqa.weight", (R + Dr, D), "matrix"),           # [R+Dr, D]
+                 (b + "attn_k_b.weight", (H, R, Dn), "matrix"),                 # [H, R, Dn]
+                 (b + "attn_v_b.weight", (H, Dv, R), "matrix"),                 # [H, Dv, R]
+                 (b + "attn_output.weight", (D, H * Dv), "matrix"),             # [D, H*Dv]
+                 (b + "ffn_norm.weight", (D,), "norm")]
+        if i < m["n_dense"]:
+            plan += [(b + "ffn_gate.weight", (n_ff, D), "matrix"), (b + "ffn_up.weight", (n_ff, D), "matrix"),
+                     (b + "ffn_down.weight", (D, n_ff), "matrix")]
+            continue
+        plan.append((b + "ffn_gate_inp.weight", (E, D), "router"))                  # [E, D]
+        if m["gating"] == "sigmoid":
+            plan.append((b + "exp_probs_b.bias", (E,), "bias"))                      # [E]
+        plan += [(b + "ffn_gate_exps.weight", (E, F, D), "matrix"),
+                 (b + "ffn_up_exps.weight", (E, F, D), "matrix"),
+                 (b + "ffn_down_exps.weight", (E, D, F), "matrix")]
+        if m["n_shared"]:
+            plan += [(b + "ffn_gate_shexp.weight", (Fs, D), "matrix"),
+                     (b + "ffn_up_shexp.weight", (Fs, D), "matrix"),
+                     (b + "ffn_down_shexp.weight", (D, Fs), "matrix")]
+    plan.append(("output_norm.weight", (D,), "norm"))
+    if not tie_embeddings:
+        plan.append(("output.weight", (n_vocab, D), "matrix"))                  # [V, D]
+    return plan
+
+
+def _write_deepseek2_keys(w, m, n_head, n_ff_exp):
+    """The keys convert_hf_to_gguf.py's DeepseekV2Model writes (after the common ones)."""
+    R, Dr = m["kv_lora_rank"], m["rope_dim"]
+    w.add_head_count_kv(1)                           # MLA is MQA over the latent
+    w.add_leading_dense_block_count(m["n_dense"])
+    w.add_q_lora_rank(m["q_lora_rank"])               # llama.cpp asks for it unless 26/27 layers
+    w.add_kv_lora_rank(R)
+    w.add_key_length(R + Dr)
+    w.add_value_length(R)
+    w.add_key_length_mla(m["nope_dim"] + Dr)
+    w.add_value_length_mla(m["v_dim"])
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_expert_shared_count(m["n_shared"])
+    w.add_expert_weights_scale(float(m["routed_scale"]))
+    if m["norm_topk"]:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func({"softmax": ExpertGatingFuncType.SOFTMAX,
+                              "sigmoid": ExpertGatingFuncType.SIGMOID}[m["gating"]])
+    if m["n_group"]:
+        w.add_expert_group_count(m["n_group"])
+        w.add_expert_group_used_count(m["topk_group"])
+    w.add_rope_dimension_count(Dr)
 
 
 def pick_type(name, kind, types, default_type):
@@ -271,15 +364,17 @@ class _BlockPool:
 def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None, n_ff,
                n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
                default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
-               rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, name=None, seed=0,
-               n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False):
+               rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, mla=None, name=None,
+               seed=0, n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False):
     """Write a random-weight GGUF of architecture arch to path; returns path.
 
     gpt-oss: sliding_window (tokens, on the even layers; required), yarn = (factor, original
     context length) or None. glm4moe: n_shared shared experts (n_shared * n_ff_exp wide), the
     first n_leading_dense layers dense (n_ff wide), n_nextn NextN blocks after the n_layer
     layers, routed_scale on the experts' weights, qk_norm (GLM-4.5's q/k norms); half of
-    each head rotated. The same arguments and seed write the same bytes.
+    each head rotated. deepseek2: mla = a dict of MLA_DEFAULTS' keys (missing ones take
+    those defaults); head_dim and n_head_kv are then set by it. The same arguments and seed
+    write the same bytes.
 
     types: ordered [(regex, type name)] matched with re.search on tensor names, first match
     wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
@@ -300,6 +395,12 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     if n_expert and not 1 <= n_expert_used <= n_expert:
         raise ValueError(f"need 1 <= n_expert_used <= n_expert, got {n_expert_used}, {n_expert}")
     head_dim = head_dim or n_embd // n_head
+    if arch == "deepseek2":
+        mla = dict(MLA_DEFAULTS, **(mla or {}))
+        if set(mla) != set(MLA_DEFAULTS):
+            raise ValueError(f"unknown mla keys {sorted(set(mla) - set(MLA_DEFAULTS))}")
+    elif mla:
+        raise ValueError(f"{arch} has no MLA")
     if arch == "llama":  # llama.cpp sizes llama's experts by feed_forward_length
         if n_ff_exp not in (None, n_ff):
             raise ValueError("llama experts are n_ff wide; leave n_ff_exp unset")
@@ -314,7 +415,7 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     plan = tensor_plan(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                        head_dim=head_dim, n_ff=n_ff, n_expert=n_expert, n_ff_exp=n_ff_exp,
                        n_vocab=n_vocab, tie_embeddings=tie_embeddings, n_shared=n_shared,
-                       n_leading_dense=n_leading_dense, n_nextn=n_nextn, qk_norm=qk_norm)
+                       n_leading_dense=n_leading_dense, n_nextn=n_nextn, qk_norm=qk_norm, mla=mla)
     typed, fallbacks = [], {}
     for tname, shape, kind in plan:
         type_name = pick_type(tname, kind, types, default_type)
@@ -345,13 +446,16 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch == "deepseek2":
+        _write_deepseek2_keys(w, mla, n_head, n_ff_exp)
+    else:
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_base)
     if arch == "glm4moe":          # partial_rotary_factor 0.5
         w.add_rope_dimension_count(head_dim // 2)
-    elif arch != "gpt-oss":        # gpt-oss's files leave it to default to key_length
+    elif arch not in ("gpt-oss", "deepseek2"):   # gpt-oss's files leave it to key_length
         w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
@@ -373,6 +477,10 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(yarn[0]))
         w.add_rope_scaling_orig_ctx_len(int(yarn[1]))
+        if mla and mla["mscale_all_dim"] is not None:
+            w.add_rope_scaling_yarn_beta_fast(32.0)
+            w.add_rope_scaling_yarn_beta_slow(1.0)
+            w.add_rope_scaling_yarn_log_mul(0.1 * mla["mscale_all_dim"])
     for key, (value, vtype, sub_type) in tok.items():
         w.add_key_value(key, value, vtype, sub_type)
     for tname, shape, kind, type_name, n_bytes in typed:

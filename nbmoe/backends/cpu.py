@@ -15,6 +15,11 @@ def _rows2d(a):
     return a.reshape(a.shape[0], -1)
 
 
+def _heads(a):
+    """a [T, H, Dh], or a 2-D buffer [T, Dh] as one head."""
+    return a if len(a.shape) == 3 else a.reshape(a.shape[0], 1, a.shape[1])
+
+
 def chosen_slots(node, a):
     """a [T, A] (the chosen expert ids or weights) as the node reads it: columns lo..hi-1 for
     a node that computes only those chosen-expert slots (param `slots`: model.moe_ffn's split
@@ -194,6 +199,23 @@ class Backend:
         ids, ops = chosen_slots(node, buf[node.srcs[1]]), self.ops
         b = self.vector(node.weight).reshape(-1, out.shape[2])          # [E, M]
         return lambda: ops.add_bias_id(out, x, b, ids)
+
+    def constant(self, a):
+        """A host array as this backend's kernels read it (a GPU: a device copy)."""
+        return a
+
+    def bind_mul_mat_heads(self, node, buf, state):
+        # head h's rows through matrix h: an expert product whose "chosen expert" is the head
+        w, qtype = self.weight(node.weight)                                  # [H, M, row_bytes]
+        out, x = buf[node.out], buf[node.srcs[0]]                             # [T, H, M], [T, H, K]
+        ids = self.constant(np.tile(np.arange(x.shape[1], dtype=np.int32), (x.shape[0], 1)))
+        mm = self.mm
+        return lambda: mm.mul_mat_id(out, w, x, ids, qtype)
+
+    def bind_slice(self, node, buf, state):
+        out, src = (_heads(buf[n]) for n in (node.out, node.srcs[0]))
+        (lo, hi), at, ops = node.params["cols"], node.params.get("at", 0), self.ops
+        return lambda: ops.copy_cols(out, src, at, lo, hi - lo)
 
     def bind_sigmoid_mul(self, node, buf, state):
         out, x, g = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)

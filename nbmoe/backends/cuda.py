@@ -215,6 +215,10 @@ class CUDABackend(FusionBinders, Backend):
         except Exception as e:   # CUDA_ERROR_OUT_OF_MEMORY and friends
             raise NbmoeError(f"{self.name}: cannot allocate {np.prod(shape) * np.dtype(dtype).itemsize / 2**20:.1f} MiB ({e})") from None
 
+    def constant(self, a):
+        self.activate()
+        return self.ops.constant(a)
+
     def copy_in(self, dst, src):
         """dst (here) <- src (a host array or a device array, possibly of another GPU)."""
         self.activate()

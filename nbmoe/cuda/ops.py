@@ -386,6 +386,32 @@ def sigmoid_mul_kernel(out, x, g):
         out[t, m] = x[t, m] * (f32(1.0) / (f32(1.0) + expf(-g[t, 0])))
 
 
+# ---------------------------------------------------------------- copy_cols (SLICE)
+# out[t, h, olo + i] = src[t, h if Hs > 1 else 0, slo + i], i < n; out [T, Ho, Do], src
+# [T, Hs, Ds] (as cpu/copy_cols.py). One thread per copied value.
+
+@cuda.jit
+def copy_cols_kernel(out, src, olo, slo, n):
+    Ho = out.shape[1]
+    idx = cuda.grid(1)
+    if idx < out.shape[0] * Ho * n:
+        th = idx // n
+        i = idx - th * n
+        t = th // Ho
+        h = th - t * Ho
+        out[t, h, olo + i] = src[t, h if src.shape[1] > 1 else 0, slo + i]
+
+
+def copy_cols(out, src, olo, slo, n, stream=0):
+    """out[:, h, olo:olo+n] = src[:, h or 0, slo:slo+n]; a one-head src goes to every head."""
+    if olo < 0 or slo < 0 or olo + n > out.shape[2] or slo + n > src.shape[2] or (
+            src.shape[0] != out.shape[0] or src.shape[1] not in (1, out.shape[1])):
+        raise ValueError(f"copy_cols: out {out.shape}[{olo}:{olo + n}], src {src.shape}[{slo}:{slo + n}]")
+    total = out.shape[0] * out.shape[1] * n
+    if total:
+        copy_cols_kernel[_blocks(total, THREADS), THREADS, stream](out, src, olo, slo, n)
+
+
 def add_bias(out, x, b, stream=0):
     """out [T, M] = x + b (b [M]); out may alias x."""
     if b.shape != (out.shape[1],) or x.shape != out.shape:

@@ -43,6 +43,7 @@ class ArchFlags:
     ffn_norm: str = "ffn_norm"  # the FFN's pre-norm tensor role (gpt-oss: post_attention_norm)
     optional: tuple = ()        # OPTIONAL_ROLES this family may have
     skip_nextn: bool = False    # the last nextn_predict_layers blocks are a draft head: not run
+    mla: bool = False           # multi-head latent attention (deepseek2): see ModelConfig's MLA fields
 
     def __post_init__(self):
         assert self.glu in GLU_KINDS and self.gating in GATINGS
@@ -68,6 +69,8 @@ ARCHITECTURES = {
                          ffn_norm="post_attention_norm", skip_nextn=True,
                          optional=_BIASES[:3] + ("attn_q_norm.weight", "attn_k_norm.weight",
                                                  "exp_probs_b.bias")),
+    "deepseek2": ArchFlags(rope_neox=False, qk_norm=False, moe_norm_topk=False, mla=True,
+                           optional=("exp_probs_b.bias",)),
 }
 
 
@@ -104,6 +107,15 @@ class ModelConfig:
     rope_mscale: float = 1.0    # cos and sin are multiplied by this (YaRN's attention factor)
     present: frozenset = field(default_factory=frozenset)   # OPTIONAL_ROLES in the file
     n_nextn: int = 0            # blocks after the last layer that are not run (skip_nextn)
+    # MLA (deepseek2): keys and values come from a per-token latent of kv_lora_rank values
+    # (plus qk_rope_dim = n_rot roped values shared by the heads); head_dim is then the cache's
+    # width kv_lora_rank + n_rot (one kv head), a query head has qk_nope_dim + n_rot values
+    kv_lora_rank: int = 0       # 0 = no MLA
+    q_lora_rank: int = 0        # 0 = q straight from attn_q (V2-Lite)
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
+    yarn_log_mul: float = 0.0   # YaRN's mscale_all_dim: the kq scale grows by (1 + 0.1 m ln s)^2
+    attn_mscale: float = 1.0    #   that factor's square root, as read
 
     @property
     def is_moe(self):
@@ -124,7 +136,13 @@ class ModelConfig:
                                                                           "attn_k_norm.weight"))
 
     @property
+    def is_mla(self):
+        return self.kv_lora_rank > 0
+
+    @property
     def attn_scale(self):
+        if self.is_mla:     # the expanded key's width, times YaRN's mscale squared
+            return self.attn_mscale ** 2 / math.sqrt(self.qk_nope_dim + self.n_rot)
         return 1.0 / math.sqrt(self.head_dim)
 
     def is_swa(self, il):
@@ -205,19 +223,25 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
                       ("none", "linear", "yarn"))
     factor = float(meta.get(a + "rope.scaling.factor", 1.0) or 1.0)
     yarn, mscale = (), float(meta.get(a + "rope.scaling.attn_factor", 1.0))
+    # deepseek2 stores 0.1 * mscale_all_dim (llama.cpp divides it back out)
+    log_mul = float(meta.get(a + "rope.scaling.yarn_log_multiplier", 0.0)) / 0.1 if flags.mla else 0.0
     if scaling == "yarn" and factor > 1.0:
         yarn = (float(meta.get(a + "rope.scaling.yarn_ext_factor", 1.0)),
                 float(meta.get(a + "rope.scaling.original_context_length",
                                meta.get(a + "context_length", 2048))),
                 float(meta.get(a + "rope.scaling.yarn_beta_fast", 32.0)),
                 float(meta.get(a + "rope.scaling.yarn_beta_slow", 1.0)))
-        if yarn[0]:
+        if yarn[0] and not log_mul:   # with deepseek2's multiplier cos and sin keep their size
             mscale *= 1.0 + 0.1 * math.log(factor)
+    # MLA's kq scale: llama.cpp's attention factor before its YaRN adjustment, times the multiplier's
+    log_s = math.log(factor) if scaling in ("linear", "yarn") else 0.0
+    attn_mscale = (mscale if yarn and yarn[0] else mscale * (1.0 + 0.1 * log_s)) * (1.0 + 0.1 * log_mul * log_s)
     n_expert = int(meta.get(a + "expert_count", 0))
     gating = meta.get(a + "expert_gating_func")
     gating = (flags.gating if gating is None else
               _choice(meta, a + "expert_gating_func", GGUF_GATING.get(int(gating), int(gating)), GATINGS))
-    n_ff_exp = int(meta.get(a + "expert_feed_forward_length", meta.get(a + "feed_forward_length", 0)))
+    n_ff_exp = _per_layer_same(meta, a + "expert_feed_forward_length",
+                               meta.get(a + "feed_forward_length", 0))
     n_shared = int(meta.get(a + "expert_shared_count", 0))
     swa_layers = meta.get(a + "attention.sliding_window_pattern")
     if isinstance(swa_layers, (list, tuple)):          # one flag per layer
@@ -228,6 +252,7 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
     else:
         swa_layers = ()
     roles = {n.split(".", 2)[2] for n in tensor_names if n.startswith("blk.") and n.count(".") >= 2}
+    mla = _mla_fields(meta, a, n_head, head_dim, tensor_names) if flags.mla else {}
     return ModelConfig(
         arch=arch, flags=flags,
         n_layer=n_layer,
@@ -258,4 +283,39 @@ def config_from_meta(meta, n_vocab_tensor=None, tensor_names=()):
         rope_mscale=mscale,
         present=frozenset(r for r in flags.optional if r in roles),
         n_nextn=n_nextn,
+        yarn_log_mul=log_mul,
+        attn_mscale=attn_mscale,
+        **mla,
     )
+
+
+def _per_layer_same(meta, key, default):
+    """A key that may be one value per layer (llama.cpp's get_key_or_arr): nbmoe needs one."""
+    v = meta.get(key, default)
+    if isinstance(v, (list, tuple)):
+        if len(set(v)) != 1:
+            raise NbmoeError(f"unsupported {key} = {list(v)}: nbmoe needs one value for every layer")
+        v = v[0]
+    return int(v)
+
+
+def _mla_fields(meta, a, n_head, head_dim, tensor_names):
+    """The MLA fields of a deepseek2 file, in the layout llama.cpp writes now: split attn_k_b /
+    attn_v_b, key_length = kv_lora_rank + rope dims (one kv head), key_length_mla = the expanded
+    query / key head."""
+    old = next((n for n in tensor_names if n.endswith(".attn_kv_b.weight")), None)
+    if old is not None:
+        raise NbmoeError(f"unsupported MLA layout: {old} (the older single attn_kv_b); convert the "
+                         "model again with a current llama.cpp, which writes attn_k_b / attn_v_b")
+    rank = int(_get(meta, a + "attention.kv_lora_rank"))
+    k_mla = int(_get(meta, a + "attention.key_length_mla"))
+    v_mla = int(_get(meta, a + "attention.value_length_mla"))
+    n_rot = int(meta.get(a + "rope.dimension_count", 0))
+    n_kv = int(meta.get(a + "attention.head_count_kv", 1))
+    v_len = int(meta.get(a + "attention.value_length", rank))
+    if n_kv != 1 or head_dim != rank + n_rot or v_len != rank or not 0 < n_rot < k_mla:
+        raise NbmoeError(f"unsupported MLA layout: {a}attention.key_length = {head_dim}, value_length "
+                         f"= {v_len}, head_count_kv = {n_kv} (nbmoe reads kv_lora_rank + rope dims "
+                         f"= {rank} + {n_rot}, kv_lora_rank and 1)")
+    return dict(kv_lora_rank=rank, q_lora_rank=int(meta.get(a + "attention.q_lora_rank", 0)),
+                qk_nope_dim=k_mla - n_rot, v_head_dim=v_mla)

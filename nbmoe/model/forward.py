@@ -1,7 +1,8 @@
 """The forward pass of every supported architecture, written once as an op graph.
 
 Legend: T tokens in the micro-batch, D model dim, H query heads, Hkv kv heads, Dh head dim,
-F FFN width, E experts, A active experts, V vocabulary.
+F FFN width, E experts, A active experts, V vocabulary; MLA: R kv_lora_rank, Rq q_lora_rank,
+Dn / Dr the unroped / roped dims of a query head, Dv a value head.
 """
 import math
 
@@ -21,7 +22,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight):
         g.add_node("SCALE", "x", (T, D), ["x"], s=math.sqrt(D))
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
-        attention(g, cfg, p, il, T)
+        (mla_attention if cfg.is_mla else attention)(g, cfg, p, il, T)
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
         if cfg.is_moe_layer(il):
@@ -69,6 +70,44 @@ def attention(g, cfg, p, il, T):
     g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
 
 
+def mla_attention(g, cfg, p, il, T):
+    """x += o(v_b(attn(q', kv))): multi-head latent attention with k_b absorbed into the query.
+    A token's key is its normed latent [R] and a roped part [Dr], one kv head that the cache
+    keeps (KVCache, R + Dr per token); head h's query is [q_nope_h @ k_b[h], rope(q_pe_h)], so
+    q' . key = q_h . [k_b[h] latent, k_pe]. The same rows serve as values: the first R columns
+    of the output (sum_j p_j latent_j) go through v_b[h]; its last Dr are not used."""
+    D, H, R, Dn, Dr, eps = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.n_rot, cfg.norm_eps
+    Dv, K = cfg.v_head_dim, cfg.kv_lora_rank + cfg.n_rot
+    rope = dict(n_rot=Dr, freqs=cfg.rope_freqs(il), mscale=cfg.rope_mscale, neox=cfg.flags.rope_neox)
+    g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "attn_norm.weight", eps=eps)
+    if cfg.q_lora_rank:          # q through a low-rank bottleneck with its own norm
+        g.add_node("MUL_MAT", "q_a", (T, cfg.q_lora_rank), ["h"], p + "attn_q_a.weight")
+        g.add_node("RMS_NORM", "q_a", (T, cfg.q_lora_rank), ["q_a"], p + "attn_q_a_norm.weight", eps=eps)
+        g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["q_a"], p + "attn_q_b.weight")      # [T, H, Dn+Dr]
+    else:
+        g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["h"], p + "attn_q.weight")
+    g.add_node("SLICE", "q_nope", (T, H, Dn), ["q"], cols=(0, Dn))
+    g.add_node("SLICE", "q_pe", (T, H, Dr), ["q"], cols=(Dn, Dn + Dr))
+    g.add_node("ROPE", "q_pe", (T, H, Dr), ["q_pe", "pos"], **rope)
+    g.add_node("MUL_MAT_HEADS", "q_lat", (T, H, R), ["q_nope"], p + "attn_k_b.weight")   # [T, H, R]
+    g.add_node("SLICE", "q_mla", (T, H, K), ["q_lat"], cols=(0, R))
+    g.add_node("SLICE", "q_mla", (T, H, K), ["q_pe", "q_mla"], cols=(0, Dr), at=R)      # [T, H, R+Dr]
+    # the token's cache row: [norm(latent), rope(k_pe)]
+    g.add_node("MUL_MAT", "kv", (T, 1, K), ["h"], p + "attn_kv_a_mqa.weight")            # [T, 1, R+Dr]
+    g.add_node("SLICE", "latent", (T, R), ["kv"], cols=(0, R))
+    g.add_node("RMS_NORM", "latent", (T, R), ["latent"], p + "attn_kv_a_norm.weight", eps=eps)
+    g.add_node("SLICE", "kv", (T, 1, K), ["latent", "kv"], cols=(0, R))
+    g.add_node("SLICE", "k_pe", (T, 1, Dr), ["kv"], cols=(R, K))
+    g.add_node("ROPE", "k_pe", (T, 1, Dr), ["k_pe", "pos"], **rope)
+    g.add_node("SLICE", "kv", (T, 1, K), ["k_pe", "kv"], cols=(0, Dr), at=R)
+    g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"], layer=il,
+               scale=cfg.attn_scale, window=0, sinks=None)
+    g.add_node("SLICE", "attn_lat", (T, H, R), ["attn"], cols=(0, R))
+    g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn_lat"], p + "attn_v_b.weight")  # [T, H, Dv]
+    g.add_node("MUL_MAT", "o", (T, D), ["attn_v"], p + "attn_output.weight")             # [T, D]
+    g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
+
+
 def dense_ffn(g, cfg, p, T, F, suffix, out):
     """out = act(h @ Wg^T) * (h @ Wu^T) @ Wd^T over the tensors ffn_{gate,up,down}<suffix>."""
     gate = "ffn_gate" + suffix
@@ -108,7 +147,7 @@ def moe_ffn(g, cfg, p, T):
 
 def expected_tensors(cfg, names):
     """(name, ggml ne) of every tensor the forward pass reads; `names` = tensors in the file."""
-    D, H, Hkv, Dh, V = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_vocab
+    D, V = cfg.n_embd, cfg.n_vocab
     yield "token_embd.weight", (D, V)
     yield "output_norm.weight", (D,)
     if "output.weight" in names:
@@ -121,15 +160,10 @@ def expected_tensors(cfg, names):
             if cfg.has(role + ".bias"):
                 yield p + role + ".bias", ne[1:]
         yield p + "attn_norm.weight", (D,)
-        yield from linear("attn_q", (D, H * Dh))
-        yield from linear("attn_k", (D, Hkv * Dh))
-        yield from linear("attn_v", (D, Hkv * Dh))
-        yield from linear("attn_output", (H * Dh, D))
-        if cfg.has("attn_q_norm.weight"):
-            yield p + "attn_q_norm.weight", (Dh,)
-            yield p + "attn_k_norm.weight", (Dh,)
-        if cfg.has("attn_sinks.weight"):
-            yield p + "attn_sinks.weight", (H,)
+        if cfg.is_mla:
+            yield from _mla_tensors(cfg, p)
+        else:
+            yield from _gqa_tensors(cfg, p, linear)
         if cfg.flags.post_norms:
             yield p + "post_attention_norm.weight", (D,)
             yield p + "post_ffw_norm.weight", (D,)
@@ -152,6 +186,32 @@ def expected_tensors(cfg, names):
             yield p + "ffn_gate.weight", (D, cfg.n_ff)
             yield p + "ffn_up.weight", (D, cfg.n_ff)
             yield p + "ffn_down.weight", (cfg.n_ff, D)
+
+
+def _gqa_tensors(cfg, p, linear):
+    D, H, Hkv, Dh = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    yield from linear("attn_q", (D, H * Dh))
+    yield from linear("attn_k", (D, Hkv * Dh))
+    yield from linear("attn_v", (D, Hkv * Dh))
+    yield from linear("attn_output", (H * Dh, D))
+    if cfg.has("attn_q_norm.weight"):
+        yield p + "attn_q_norm.weight", (Dh,)
+        yield p + "attn_k_norm.weight", (Dh,)
+    if cfg.has("attn_sinks.weight"):
+        yield p + "attn_sinks.weight", (H,)
+
+
+def _mla_tensors(cfg, p):
+    D, H, R, Rq, Dn, Dr, Dv = (cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.q_lora_rank,
+                               cfg.qk_nope_dim, cfg.n_rot, cfg.v_head_dim)
+    if Rq:
+        yield from ((p + "attn_q_a.weight", (D, Rq)), (p + "attn_q_a_norm.weight", (Rq,)),
+                    (p + "attn_q_b.weight", (Rq, H * (Dn + Dr))))
+    else:
+        yield p + "attn_q.weight", (D, H * (Dn + Dr))
+    yield from ((p + "attn_kv_a_mqa.weight", (D, R + Dr)), (p + "attn_kv_a_norm.weight", (R,)),
+                (p + "attn_k_b.weight", (Dn, R, H)), (p + "attn_v_b.weight", (R, Dv, H)),
+                (p + "attn_output.weight", (H * Dv, D)))
 
 
 def check_tensors(cfg, tensors, supported_type):

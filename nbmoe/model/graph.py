@@ -26,8 +26,10 @@ OPS = (
     "ADD_BIAS",      # x + b, b one row
     "ADD_BIAS_ID",   # x[t, a] + b[chosen expert of slot a]
     "SIGMOID_MUL",   # x * sigmoid(g), g one value a row (shared expert's gate)
+    "SLICE",         # out[.., h, cols] = src[.., h (or its one head), cols]: MLA's head parts
+    "MUL_MAT_HEADS", # out[t, h] = W[h] @ x[t, h]: one matrix per head (MLA's k_b, v_b)
 )
-MATRIX_OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID")
+MATRIX_OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID", "MUL_MAT_HEADS")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The KV cache: per layer, keys and values of every position as f16 bits [C, Hkv, Dh],
-each layer's on the backend that runs its attention."""
+each layer's on the backend that runs its attention. MLA: one array per layer, [C, 1, R + Dr]
+(a token's latent and roped key part), that serves as keys and as values (forward.py)."""
 import numpy as np
 
 from nbmoe.errors import NbmoeError
@@ -13,8 +14,8 @@ class KVCache:
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
         layer_backends = layer_backends or ["CPU"] * cfg.n_layer
         allocators = allocators or {"CPU": lambda s, d: np.zeros(s, d)}
-        per_layer = 2 * int(np.prod(shape)) * 2
+        per_layer = (1 if cfg.is_mla else 2) * int(np.prod(shape)) * 2
         check_memory(per_layer * layer_backends.count("CPU"), f"a KV cache of {n_ctx} tokens")
         self.n_ctx, self.n_bytes, self.backends = n_ctx, per_layer * cfg.n_layer, layer_backends
         self.k = [allocators[b](shape, np.uint16) for b in layer_backends]
-        self.v = [allocators[b](shape, np.uint16) for b in layer_backends]
+        self.v = self.k if cfg.is_mla else [allocators[b](shape, np.uint16) for b in layer_backends]

@@ -147,6 +147,49 @@ def moe(h, W, B, p, cfg):
     return out
 
 
+def gqa_attention(h, W, B, p, cfg, pos, il):
+    """h [T, D] -> [T, H * Dh]: q, k, v products [+ biases, per-head norms], RoPE, attention."""
+    T, H, Hkv, Dh, f, eps = len(h), cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.flags, cfg.norm_eps
+
+    def linear(role, inp):
+        return inp @ W(p + role + ".weight").T + B(role + ".bias")
+    q = linear("attn_q", h).reshape(T, H, Dh)
+    k = linear("attn_k", h).reshape(T, Hkv, Dh)
+    v = linear("attn_v", h).reshape(T, Hkv, Dh)
+    if cfg.has("attn_q_norm.weight"):
+        q = rms_norm(q, W(p + "attn_q_norm.weight"), eps)
+        k = rms_norm(k, W(p + "attn_k_norm.weight"), eps)
+    freqs = cfg.rope_freqs(il)                    # per layer: local layers may differ
+    q, k = (rope(z, pos, freqs, f.rope_neox, cfg.rope_mscale) for z in (q, k))
+    k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+    sinks = W(p + "attn_sinks.weight") if cfg.has("attn_sinks.weight") else None
+    return attention(q, k, v, cfg.attn_scale, cfg.layer_window(il), sinks).reshape(T, H * Dh)
+
+
+def mla_attention(h, W, p, cfg, pos, freqs):
+    """Multi-head latent attention, expanded: h [T, D] -> [T, H * Dv].
+    Letters: R kv_lora_rank, Dn / Dr the unroped / roped dims of a q or k head, Dv a v head.
+    Each token keeps a latent [R] (normed) and a roped key part [Dr] shared by the heads (what
+    the cache holds, in f16); head h's key is [k_b[h] latent, k_pe], its value v_b[h] latent."""
+    T, H, R, Dn, Dr = len(h), cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.n_rot
+    eps, neox, ms = cfg.norm_eps, cfg.flags.rope_neox, cfg.rope_mscale
+    if cfg.q_lora_rank:         # q through a low-rank bottleneck with its own norm
+        q = rms_norm(h @ W(p + "attn_q_a.weight").T, W(p + "attn_q_a_norm.weight"), eps)
+        q = q @ W(p + "attn_q_b.weight").T
+    else:
+        q = h @ W(p + "attn_q.weight").T
+    q = q.reshape(T, H, Dn + Dr)
+    q = np.concatenate([q[..., :Dn], rope(q[..., Dn:], pos, freqs, neox, ms)], -1)   # [T, H, Dn+Dr]
+    kv = h @ W(p + "attn_kv_a_mqa.weight").T                                         # [T, R + Dr]
+    latent = rms_norm(kv[:, :R], W(p + "attn_kv_a_norm.weight"), eps)               # [T, R]
+    k_pe = rope(kv[:, None, R:], pos, freqs, neox, ms)                              # [T, 1, Dr]
+    latent, k_pe = (z.astype(np.float16).astype(np.float64) for z in (latent, k_pe))
+    k_nope = np.einsum("tr,hrd->thd", latent, W(p + "attn_k_b.weight"))             # [T, H, Dn]
+    k = np.concatenate([k_nope, np.repeat(k_pe, H, axis=1)], -1)                     # [T, H, Dn+Dr]
+    v = np.einsum("tr,hdr->thd", latent, W(p + "attn_v_b.weight"))                  # [T, H, Dv]
+    return attention(q, k, v, cfg.attn_scale, 0).reshape(T, H * cfg.v_head_dim)
+
+
 def forward(cfg, tensors, tokens):
     """Logits [T, V] (float64) for `tokens` starting at position 0."""
     cache = {}
@@ -157,7 +200,7 @@ def forward(cfg, tensors, tokens):
         return cache[name]
 
     f, eps = cfg.flags, cfg.norm_eps
-    T, H, Hkv, Dh = len(tokens), cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    T = len(tokens)
     pos = np.arange(T, dtype=np.float64)
     x = W("token_embd.weight")[np.asarray(tokens)]                    # [T, D]
     if f.embed_scale:
@@ -171,17 +214,10 @@ def forward(cfg, tensors, tokens):
         def linear(role, inp):
             return inp @ W(p + role + ".weight").T + B(role + ".bias")
         h = rms_norm(x, W(p + "attn_norm.weight"), eps)
-        q = linear("attn_q", h).reshape(T, H, Dh)
-        k = linear("attn_k", h).reshape(T, Hkv, Dh)
-        v = linear("attn_v", h).reshape(T, Hkv, Dh)
-        if cfg.has("attn_q_norm.weight"):
-            q = rms_norm(q, W(p + "attn_q_norm.weight"), eps)
-            k = rms_norm(k, W(p + "attn_k_norm.weight"), eps)
-        freqs = cfg.rope_freqs(il)                    # per layer: local layers may differ
-        q, k = (rope(z, pos, freqs, f.rope_neox, cfg.rope_mscale) for z in (q, k))
-        k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
-        sinks = W(p + "attn_sinks.weight") if cfg.has("attn_sinks.weight") else None
-        a = attention(q, k, v, cfg.attn_scale, cfg.layer_window(il), sinks).reshape(T, H * Dh)
+        if cfg.is_mla:
+            a = mla_attention(h, W, p, cfg, pos, cfg.rope_freqs(il))
+        else:
+            a = gqa_attention(h, W, B, p, cfg, pos, il)
         o = linear("attn_output", a)
         if f.post_norms:
             o = rms_norm(o, W(p + "post_attention_norm.weight"), eps)
