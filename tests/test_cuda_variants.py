@@ -21,55 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 RTOL_F16 = 4e-3    # flash: f16 q and P vs the float64 reference
 
 
-# ---------------------------------------------------------------- float64 references
-
-def attention_sinks_ref(q, k_all, v_all, pos0, scale, window, sinks):
-    """naive.attention with one more logit sinks[h] (not scaled) of value 0 in each softmax."""
-    T, H, Dh = q.shape
-    G = H // k_all.shape[1]
-    out = np.zeros((T, H, Dh))
-    for t in range(T):
-        p = pos0 + t
-        js = [j for j in range(p + 1) if window == 0 or j > p - window]
-        for h in range(H):
-            s = scale * (k_all[js, h // G] @ q[t, h].astype(np.float64))
-            m = max(s.max(), float(sinks[h]))
-            e = np.exp(s - m)
-            out[t, h] = e @ v_all[js, h // G] / (e.sum() + np.exp(float(sinks[h]) - m))
-    return out
-
-
-def swiglu_oai_ref(gate, up):
-    x = np.minimum(gate.astype(np.float64), 7.0)
-    y = np.clip(up.astype(np.float64), -7.0, 7.0)
-    with np.errstate(over="ignore"):
-        return x / (1.0 + np.exp(-1.702 * x)) * (y + 1.0)
-
-
-def route_ref(logits, A, norm, gating, scale=1.0, bias=None, n_group=0, topk_group=0):
-    """llama.cpp's build_moe_ffn routing in float64: probs, selection scores (+ bias), groups
-    (a group's score: the sum of its 2 best), the top A, weights (+ norm, * scale)."""
-    T, E = logits.shape
-    ids = np.zeros((T, A), np.int64)
-    wts = np.zeros((T, A))
-    for t in range(T):
-        lg = logits[t].astype(np.float64)
-        probs = naive.softmax(lg) if gating == 0 else (1 / (1 + np.exp(-lg)) if gating == 1 else lg)
-        sel = (probs + (bias if bias is not None else 0)) if bias is not None or n_group > 1 else lg
-        if n_group > 1:
-            gs = E // n_group
-            score = [np.sort(sel[g * gs:(g + 1) * gs])[-2:].sum() for g in range(n_group)]
-            keep = sorted(range(n_group), key=lambda g: (-score[g], g))[:topk_group]
-            sel = np.where(np.isin(np.arange(E) // gs, keep), sel, -np.inf)
-        order = sorted(range(E), key=lambda e: (-sel[e], e))[:A]
-        ids[t] = order
-        w = naive.softmax(lg[order]) if gating == 2 else probs[order]
-        if norm:
-            w = w / w.sum()
-        wts[t] = w * scale
-    return ids, wts
-
-
 # ---------------------------------------------------------------- attention sinks
 
 SINKS = np.array([0.5, 30.0, -1.0, -np.inf], np.float32)  # 30: the sink outweighs every key
@@ -85,7 +36,7 @@ def test_attention_sinks_split(window, pos0, keys, small, monkeypatch):
     H, Hkv, Dh = 4, 2, 32
     q, kc, vc, k_all, v_all = attn_case(1, H, Hkv, Dh, pos0, C=24, seed=pos0 + window)
     q *= 3
-    ref = attention_sinks_ref(q, k_all, v_all, pos0, 0.125, window, SINKS)
+    ref = naive.attention(q, k_all, v_all, pos0, 0.125, window, SINKS)
     out = poisoned(q.shape)
     xq, xds = x8_buffers(1, H * Dh)                  # the 8-bit output too (kernel or merge)
     att.attention(out, dev(q), kc, vc, dev(np.array([pos0], np.int32)), 0.125, window,
@@ -108,7 +59,7 @@ def test_attention_sinks_no_split(window, small, monkeypatch):
     assert not flash.supported(Dh)
     q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=12, seed=window)
     sinks = np.array([1.0, -0.5, 20.0, 0.0], np.float32)
-    ref = attention_sinks_ref(q, k_all, v_all, pos0, 1 / np.sqrt(Dh), window, sinks)
+    ref = naive.attention(q, k_all, v_all, pos0, 1 / np.sqrt(Dh), window, sinks)
     dq = dev(q)
     att.attention(dq, dq, kc, vc, pos0, 1 / np.sqrt(Dh), window, sinks=dev(sinks))
     check("attention sinks, one split", dq.copy_to_host(), ref)
@@ -121,7 +72,7 @@ def test_flash_attention_sinks(T, H, Hkv, Dh, pos0, window, monkeypatch):
     q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T)
     sinks = np.array([2.0, 25.0, -3.0, 0.5][:H], np.float32)
     scale = 1.0 / np.sqrt(Dh)
-    ref = attention_sinks_ref(q, k_all, v_all, pos0, scale, window, sinks)
+    ref = naive.attention(q, k_all, v_all, pos0, scale, window, sinks)
     out = poisoned(q.shape)
     att.attention(out, dev(q), kc, vc, pos0, scale, window, sinks=dev(sinks))
     check(f"flash sinks T={T} H={H}/{Hkv}", out.copy_to_host(), ref, RTOL_F16)
@@ -151,7 +102,7 @@ def test_rope_attention_sinks(T, pos0, window, keys, small, monkeypatch):
             att.attention(out, q, kc, vc, pos, 0.125, window, sinks=sinks)
             k_all = naive.f16_round(kc.copy_to_host().view(np.float16)[:pos0 + T].astype(np.float32))
             v_all = naive.f16_round(vc.copy_to_host().view(np.float16)[:pos0 + T].astype(np.float32))
-            check("attention sinks after norm_rope_store", out.copy_to_host(), attention_sinks_ref(
+            check("attention sinks after norm_rope_store", out.copy_to_host(), naive.attention(
                 q.copy_to_host(), k_all, v_all, pos0, 0.125, window, sinks.copy_to_host()))
         outs.append([a.copy_to_host() for a in (out, kc, vc)])
     for name, a, b in zip(("out", "k cache", "v cache"), *outs):
@@ -173,7 +124,7 @@ def test_swiglu_oai(small):
     gate, up = rnd(N, F, seed=1, scale=6.0), rnd(N, F, seed=2, scale=6.0)
     gate[0, :6] = [7.5, 100.0, -100.0, -1e4, 6.99, -7.5]
     up[1, :6] = [-7.5, 7.5, -100.0, 1e4, -1.0, 6.99]
-    ref = swiglu_oai_ref(gate, up)
+    ref = naive.swiglu_oai(gate, up)
     out = poisoned((N, F))
     ops.swiglu_oai(out, dev(gate), dev(up))
     check("swiglu_oai", out.copy_to_host(), ref)
@@ -197,7 +148,7 @@ def test_fused_glu_act(act, small, monkeypatch):
     x = rnd(1, K, seed=5, scale=1.5)
     dw, dwu, dx = dev(w), dev(wu), dev(x)
     glu = ops.swiglu_oai if act == fused.ACT_SWIGLU_OAI else ops.swiglu
-    ref_glu = swiglu_oai_ref if act == fused.ACT_SWIGLU_OAI else naive.swiglu
+    ref_glu = naive.swiglu_oai if act == fused.ACT_SWIGLU_OAI else naive.swiglu
     xr = x_rounded(x)
     # dense: expert 1's weights
     g, u, want = poisoned((1, M)), poisoned((1, M)), poisoned((1, M))
@@ -270,7 +221,7 @@ def test_topk_route_variants(gating, norm, scale, with_bias, groups, small):
     ids, w = poisoned((T, A), np.int32), poisoned((T, A))
     moe.topk_route(ids, w, dev(logits), norm, gating, scale,
                    dev(bias) if with_bias else empty(), n_group, topk_group)
-    ref_ids, ref_w = route_ref(logits, A, norm, gating, scale, bias, n_group, topk_group)
+    ref_ids, ref_w = naive.topk_route(logits, A, norm, gating, scale, bias, n_group, topk_group)
     assert np.array_equal(ids.copy_to_host(), ref_ids)
     check(f"topk_route gating={gating} bias={with_bias} groups={n_group}", w.copy_to_host(), ref_w)
 
@@ -308,7 +259,7 @@ def test_norm_route_variants(small):
                      logit_bias=drb, **args)
     for got, want in ((h, h_want), (lg, lg_want), (ids, ids_want), (w, w_want)):
         assert np.array_equal(got.copy_to_host(), want.copy_to_host())
-    ref_ids, ref_w = route_ref(lg_want.copy_to_host(), A, True, 1, 2.5, sb, 4, 2)
+    ref_ids, ref_w = naive.topk_route(lg_want.copy_to_host(), A, True, 1, 2.5, sb, 4, 2)
     assert np.array_equal(ids.copy_to_host(), ref_ids)
     check("norm_route variants", w.copy_to_host(), ref_w)
 

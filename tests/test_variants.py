@@ -20,6 +20,23 @@ def cosine_rows(a, b):
     return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
+def matches_reference(llm, label, greedy=12):
+    """Logits of PROMPT in one batch and token by token through the KV cache: cosine >= 0.999
+    per position against the float64 reference; `greedy` tokens as the reference's."""
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    batch = llm.eval(PROMPT)
+    llm.reset()
+    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
+    for got in (batch, steps):
+        cos = cosine_rows(got, want)
+        print(f"{label}: min cosine {cos.min():.6f}")
+        assert cos.min() >= 0.999
+    if greedy:
+        llm.reset()
+        ours = list(llm.generate_ids(PROMPT, max_tokens=greedy, stop_ids=()))
+        assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, greedy)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_gpt_oss_float_path_matches_reference(tiny_model, qtype, fused, monkeypatch):
@@ -28,17 +45,7 @@ def test_gpt_oss_float_path_matches_reference(tiny_model, qtype, fused, monkeypa
     monkeypatch.setattr(matmul, "INT8_DOT", False)
     monkeypatch.setattr(fusion, "ENABLED", fused)
     llm = nbmoe.load(tiny_model("gpt-oss", default_type=qtype), n_ctx=64, threads=2)
-    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
-    batch = llm.eval(PROMPT)
-    llm.reset()
-    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
-    for got in (batch, steps):
-        cos = cosine_rows(got, want)
-        print(f"gpt-oss {qtype} fused={fused}: min cosine {cos.min():.6f}")
-        assert cos.min() >= 0.999
-    llm.reset()
-    ours = list(llm.generate_ids(PROMPT, max_tokens=12, stop_ids=()))
-    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
+    matches_reference(llm, f"gpt-oss {qtype} fused={fused}")
 
 
 def test_gpt_oss_mxfp4_experts_int8_path(tiny_model):
@@ -73,17 +80,7 @@ def test_glm4moe_float_path_matches_reference(tiny_model, qtype, fused, monkeypa
     monkeypatch.setattr(matmul, "INT8_DOT", False)
     monkeypatch.setattr(fusion, "ENABLED", fused)
     llm = nbmoe.load(tiny_model("glm4moe", default_type=qtype), n_ctx=64, threads=2)
-    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
-    batch = llm.eval(PROMPT)
-    llm.reset()
-    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
-    for got in (batch, steps):
-        cos = cosine_rows(got, want)
-        print(f"glm4moe {qtype} fused={fused}: min cosine {cos.min():.6f}")
-        assert cos.min() >= 0.999
-    llm.reset()
-    ours = list(llm.generate_ids(PROMPT, max_tokens=12, stop_ids=()))
-    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
+    matches_reference(llm, f"glm4moe {qtype} fused={fused}")
 
 
 def test_glm4moe_qk_norm_matches_reference(tiny_model, monkeypatch):
@@ -91,11 +88,7 @@ def test_glm4moe_qk_norm_matches_reference(tiny_model, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_DOT", False)
     llm = nbmoe.load(tiny_model("glm4moe", default_type="F32", qk_norm=True), n_ctx=64, threads=2)
     assert {"attn_q_norm.weight", "attn_k_norm.weight"} <= llm.cfg.present
-    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
-    batch = llm.eval(PROMPT)
-    llm.reset()
-    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
-    assert min(cosine_rows(batch, want).min(), cosine_rows(steps, want).min()) >= 0.999
+    matches_reference(llm, "glm4moe q/k norms", greedy=0)
 
 
 def test_glm4moe_q4k_experts_int8_path(tiny_model):
@@ -166,17 +159,7 @@ def test_deepseek2_matches_reference(tiny_model, variant, qtype, fused, monkeypa
     monkeypatch.setattr(matmul, "INT8_DOT", False)
     monkeypatch.setattr(fusion, "ENABLED", fused)
     llm = nbmoe.load(_deepseek(tiny_model, variant, qtype), n_ctx=64, threads=2)
-    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
-    batch = llm.eval(PROMPT)
-    llm.reset()
-    steps = np.concatenate([llm.eval([t]) for t in PROMPT])
-    for got in (batch, steps):
-        cos = cosine_rows(got, want)
-        print(f"deepseek2 {variant} {qtype} fused={fused}: min cosine {cos.min():.6f}")
-        assert cos.min() >= 0.999
-    llm.reset()
-    ours = list(llm.generate_ids(PROMPT, max_tokens=12, stop_ids=()))
-    assert ours == reference.greedy(llm.cfg, llm.file.tensors, PROMPT, 12)
+    matches_reference(llm, f"deepseek2 {variant} {qtype} fused={fused}")
 
 
 def test_deepseek2_int8_path(tiny_model):

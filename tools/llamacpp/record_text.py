@@ -1,6 +1,6 @@
 """Record what llama.cpp does with gpt-oss's tokenizer and chat template, for nbmoe's tests.
 
-    python tools/llamacpp/record_text.py [--llama-cpp DIR]
+    python tools/llamacpp/record_text.py --llama-cpp DIR      # or LLAMA_CPP_DIR=DIR
 
 No o200k vocabulary is at hand offline, so the test vocabulary is llama.cpp's GPT-2 one
 (models/ggml-vocab-gpt-2.gguf: byte-level BPE, 50k tokens) with `tokenizer.ggml.pre` set to
@@ -25,7 +25,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 DATA = os.path.join(ROOT, "tests", "data")
-LLAMA_CPP = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+LLAMA_CPP = os.environ.get("LLAMA_CPP_DIR")       # a llama.cpp source tree with build/bin
 
 # o200k_harmony's special tokens, in their id order there
 HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
@@ -145,7 +145,8 @@ TOOLS = [{"type": "function", "function": {
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-cpp", default=LLAMA_CPP, help="llama.cpp source dir with build/bin")
+    ap.add_argument("--llama-cpp", default=LLAMA_CPP, required=LLAMA_CPP is None,
+                    help="llama.cpp source dir with build/bin (default: $LLAMA_CPP_DIR)")
     args = ap.parse_args()
     vocab = os.path.join(DATA, "vocab-gpt4o.gguf")
     template_path = os.path.join(args.llama_cpp, "models", "templates", "openai-gpt-oss-120b.jinja")
