@@ -158,12 +158,16 @@ def test_grouped_reuses_the_last_grouping(tiles):
                  lambda x_: mul_mat_id_ref(wref, x_, ids), True)
     be = object.__new__(CUDABackend)
     buf = {"ids0": ids, "ids1": ids}
-    gate, up = SimpleNamespace(srcs=("h", "ids0")), SimpleNamespace(srcs=("h", "ids0"))
-    other = SimpleNamespace(srcs=("h", "ids1"))
+    gate, up = (SimpleNamespace(srcs=("h", "ids0"), weight=f"blk.0.ffn_{k}_exps.weight")
+                for k in ("gate", "up"))
+    other = SimpleNamespace(srcs=("h", "ids1"), weight="blk.0.ffn_up_exps.weight")
+    next_layer = SimpleNamespace(srcs=("h", "ids0"), weight="blk.1.ffn_gate_exps.weight")
     tile = matmul.id_tile(int(Q["Q4_0"]), K, T)
     assert tile and not be._grouped(gate, buf, ids, E, tile)
     assert be._grouped(up, buf, ids, E, tile)
-    assert not be._grouped(other, buf, ids, E, tile)          # another layer's ids
+    assert not be._grouped(other, buf, ids, E, tile)          # other ids
+    assert not be._grouped(next_layer, buf, ids, E, tile)     # the next layer routes anew
+    assert be._grouped(next_layer, buf, ids, E, tile)         # (its own up product reuses)
     assert not be._grouped(up, buf, ids[:, :1], E, tile)      # a share of the slots regroups
     assert not be._grouped(up, buf, ids, E, tile)
     assert not be._grouped(up, buf, ids, E, 0)                # matrix-vector: keeps the table

@@ -114,7 +114,7 @@ class FusionBinders:
         if not tile:
             return False                       # matrix-vector: no grouping, the table stays
         whole = tuple(ids.shape) == tuple(buf[node.srcs[1]].shape)
-        layer = node.weight.split(".")[1] if node.weight.startswith("blk.") else None
+        layer = (node.weight or "").split(".")[1] if (node.weight or "").startswith("blk.") else None
         key = (id(buf), node.srcs[1], E, tile, layer) if whole else None
         same = key is not None and key == self._grouping
         self._grouping = key

@@ -89,8 +89,8 @@ class Chat:
         ids = self.prompt_ids(text)
         stream, shown = reply_stream(self.llm.tokenizer), _Shown(out)
         try:
-            stop_ids = () if getattr(self.args, "ignore_eos", False) else None
-            for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler, stop_ids):
+            past_eos = {"stop_ids": ()} if getattr(self.args, "ignore_eos", False) else {}
+            for tok in self.llm.generate_ids(ids, self.args.n_predict, self.sampler, **past_eos):
                 shown.write(stream.push(tok))
                 if stop.requested:
                     break
