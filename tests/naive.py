@@ -6,6 +6,18 @@ E experts, A active experts, N rows, F FFN width.
 import numpy as np
 
 
+def rnd(*shape, seed=0, scale=1.0):
+    """Fresh random float32 inputs: N(0, scale) from a seed."""
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def max_rel(got, ref):
+    """Largest error relative to the largest reference magnitude."""
+    ref = np.asarray(ref, np.float64)
+    err = np.max(np.abs(np.asarray(got, np.float64) - ref))
+    return float(err / max(np.max(np.abs(ref)), 1e-30))
+
+
 def rms_norm(x, w, eps):
     """x [..., n] / sqrt(mean(x^2) + eps) * w [n]."""
     x = x.astype(np.float64)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import naive
+from naive import max_rel, rnd
 from nbmoe.cpu import attention as att
 from nbmoe.cpu import attention_flash as flash
 from nbmoe.cpu import moe, ops
@@ -14,15 +15,6 @@ from nbmoe.cpu import moe, ops
 RTOL = 1e-5  # float32 paths, relative to the largest reference value
 
 
-def rnd(*shape, seed=0, scale=1.0):
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
-
-
-def max_rel(got, ref):
-    """Largest error relative to the largest reference magnitude."""
-    ref = np.asarray(ref, np.float64)
-    err = np.max(np.abs(np.asarray(got, np.float64) - ref))
-    return float(err / max(np.max(np.abs(ref)), 1e-30))
 
 
 # ---------------------------------------------------------------- exp_f32

@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import naive
+from naive import max_rel, rnd
 from nbmoe.cpu import attention as att
 from nbmoe.cpu import attention_flash as flash
 from nbmoe.cpu import blocks, fused, matmul, moe, ops
@@ -16,14 +17,6 @@ from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 RTOL = 1e-5
 
 
-def rnd(*shape, seed=0, scale=1.0):
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
-
-
-def max_rel(got, ref):
-    ref = np.asarray(ref, np.float64)
-    err = np.max(np.abs(np.asarray(got, np.float64) - ref))
-    return float(err / max(np.max(np.abs(ref)), 1e-30))
 
 
 def readonly(a):
