@@ -46,6 +46,11 @@ OMP_WAIT_POLICY = "PASSIVE"
 # NUMBA_THREADING_LAYER(_PRIORITY): unless set, Numba's threading layers are tried in this order.
 THREADING_LAYERS = ("omp", "tbb", "workqueue")
 
+# ---- Placement
+# -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to start
+# with (zero_copy.ShareBalancer moves it while generating; tools/zce_sweep.py finds the best fixed one).
+ZERO_COPY_SHARE = 3 / 8
+
 # ---- CUDA: fallbacks for a driver that refuses a feature
 # NBMOE_NO_GRAPHS=1: launch decoding's kernels one by one instead of replaying CUDA graphs.
 GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)

@@ -12,7 +12,7 @@ import warnings
 import numba
 import numpy as np
 
-from nbmoe import load_order
+from nbmoe import config, load_order
 from nbmoe.model.arch import config_from_meta
 from nbmoe.backends.cpu import CPUBackend
 from nbmoe.cpu import matmul as cpu_matmul
@@ -27,12 +27,6 @@ from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched.scheduler import OffloadPolicy, make_plan
 from nbmoe.text.tokenizer import Tokenizer
 from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers, split_expert_slots
-
-
-# -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to
-# start with (zero_copy.ShareBalancer moves it while generating; tools/zce_sweep.py measures
-# the best fixed share).
-ZERO_COPY_SHARE = 3 / 8
 
 
 class _State:
@@ -63,7 +57,7 @@ class LLM:
         set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
         self.gpu_slots = self._zero_copy_layers(
-            round(ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
+            round(config.ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
         # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
         # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
