@@ -25,7 +25,7 @@ import inspect
 
 import numpy as np
 
-from nbmoe import config
+from nbmoe import config, progress
 from nbmoe.backends.cpu import Backend
 from nbmoe.backends.cuda_fusion import FusionBinders
 from nbmoe.errors import NbmoeError
@@ -176,12 +176,14 @@ class CUDABackend(FusionBinders, Backend):
         self.scratch = {}
         self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (PrefetchChain)
         self.pin = config.PIN
-        for n in resident:
-            t = tensors[n]
-            if len(t.ne) == 1:
-                self.vectors[n] = cuda.to_device(self._f32(t))
-            else:
-                self.resident[n] = cuda.to_device(np.ascontiguousarray(t.data))
+        with progress.task(f"uploading weights to {name}", sum(tensors[n].n_bytes for n in resident)) as advance:
+            for n in resident:
+                t = tensors[n]
+                if len(t.ne) == 1:
+                    self.vectors[n] = cuda.to_device(self._f32(t))
+                else:
+                    self.resident[n] = cuda.to_device(np.ascontiguousarray(t.data))
+                advance(t.n_bytes)
         self.weight_bytes = sum(a.nbytes for a in self.resident.values())
 
     @staticmethod

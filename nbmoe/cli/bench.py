@@ -27,7 +27,7 @@ from rich.table import Table
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
 from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, placement_kwargs, resolve_model, zce_value)
+                         friendly_errors, loading, placement_kwargs, resolve_model, zce_value)
 
 
 def int_list(s):
@@ -157,8 +157,9 @@ def main(argv=None):
         for ngl, ub, rtr, zce in [(g, u, r, z) for g in args.ngl_list for u in args.ub_list
                                   for r in args.rtr_list for z in args.zce_list]:
             llm = None      # the previous model's memory (and repacked copies) go first
-            llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
-                       **placement_kwargs(args, ngl, zce))
+            with loading(f"loading {path}"):
+                llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
+                           **placement_kwargs(args, ngl, zce))
             facts = model_facts(llm)
             if llm.repack_stats and args.output == "md":
                 s = llm.repack_stats

@@ -11,7 +11,7 @@ import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
 from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, placement_kwargs, resolve_model, warm_up)
+                         friendly_errors, loading, placement_kwargs, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
 HELP = """commands:
@@ -208,7 +208,7 @@ def main(argv=None):
     with friendly_errors():
         from nbmoe.engine import load
         path = resolve_model(args.model)
-        with err_console.status(f"loading {path}"):
+        with loading(f"loading {path}"):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
                        repack=args.run_time_repack, **placement_kwargs(args))
         warm_up(llm)

@@ -93,6 +93,42 @@ def friendly_errors():
         sys.exit(130)
 
 
+class _Bars:
+    """The engine's long waits (nbmoe/progress.py) as rich bars, removed when each ends."""
+
+    def __init__(self, bars):
+        self.bars = bars
+
+    def start(self, description, total):
+        return self.bars.add_task(description, total=total, size=_gib(0, total))
+
+    def advance(self, i, n):
+        t = self.bars.tasks[self.bars.task_ids.index(i)]
+        self.bars.update(i, advance=n, size=_gib(t.completed + n, t.total))
+
+    def finish(self, i):
+        self.bars.remove_task(i)
+
+
+def _gib(done, total):
+    return f"{done / 2**30:.1f}/{total / 2**30:.1f} GiB"
+
+
+@contextmanager
+def loading(message):
+    """A spinner with `message` while a model loads, and a bar under it for each long wait
+    (uploads to a GPU, -rtr, page-locking the experts)."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from nbmoe import progress
+    bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.fields[size]}"), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+    with bars, progress.listening(_Bars(bars)):
+        bars.add_task(message, total=None, size="")
+        yield
+
+
 def warm_up(llm):
     """Compile (or load from the on-disk cache) the kernels of the paths a chat takes, a few
     tokens, one token and a prompt's batch (16 different tokens: its experts see many tokens

@@ -9,7 +9,13 @@ is closed.
 import mmap
 import weakref
 
+import numpy as np
+
+from nbmoe import progress
+
 from . import SIM
+
+READ_IN_STEP = 256 << 20       # bytes read in per step of the progress bar
 
 _spans = {}      # id(mapping) -> [(lo, hi)] registered address ranges
 
@@ -42,6 +48,7 @@ def register_span(arrays):
         return
     page = mmap.PAGESIZE
     lo, hi = lo // page * page, -(-hi // page) * page
+    _read_in(m, lo, hi)
     flags = (drv.CU_MEMHOSTREGISTER_READ_ONLY | drv.CU_MEMHOSTREGISTER_DEVICEMAP
              | drv.CU_MEMHOSTREGISTER_PORTABLE)
     err, = drv.cuMemHostRegister(lo, hi - lo, int(flags))
@@ -51,6 +58,17 @@ def register_span(arrays):
                          f"to read in place ({err!r}); run without -zce")
     spans.append((lo, hi))
     weakref.finalize(m, _unregister, id(m), lo)
+
+
+def _read_in(m, lo, hi):
+    """Fault the span's pages in from the file, a byte per page, in steps that move a
+    progress bar; page-locking them afterwards then waits on no disk."""
+    whole = np.frombuffer(m, np.uint8)
+    base = whole.ctypes.data
+    with progress.task("reading the RAM weights in to page-lock them", hi - lo) as advance:
+        for a, b in progress.chunks(hi - lo, READ_IN_STEP):
+            int(whole[lo - base + a:lo - base + b:mmap.PAGESIZE].sum())
+            advance(b - a)
 
 
 def _unregister(key, lo):

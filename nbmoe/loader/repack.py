@@ -13,6 +13,7 @@ The copies live in anonymous memory; the mmap'd pages they were made from are dr
 """
 import time
 
+from nbmoe import progress
 from nbmoe.cpu.quants_rtr import GROUP, R16, repack_tensor
 from nbmoe.memory import check_memory
 
@@ -31,12 +32,14 @@ def repack_weights(gguf, weights, placement):
     check_memory(sum(weights[n].n_bytes for n in names), "the repacked weights (-rtr)")
     out = {}
     shared = {id(weights[n]) for n in GET_ROWS_WEIGHTS if n in weights}
-    for name in names:
-        t = weights[name]
-        arr, qtype = repack_tensor(t.data, t.ggml_type)
-        arr.flags.writeable = False   # typed as the GGUF's read-only weights: no second compile
-        out[name] = arr, qtype
-        if id(t) not in shared:   # a tied embedding's pages stay: GET_ROWS reads them
-            gguf.drop_pages(t.offset, t.n_bytes)
+    with progress.task("repacking for the CPU (-rtr)", sum(weights[n].n_bytes for n in names)) as advance:
+        for name in names:
+            t = weights[name]
+            arr, qtype = repack_tensor(t.data, t.ggml_type)
+            arr.flags.writeable = False   # typed as the GGUF's read-only weights: no second compile
+            out[name] = arr, qtype
+            if id(t) not in shared:   # a tied embedding's pages stay: GET_ROWS reads them
+                gguf.drop_pages(t.offset, t.n_bytes)
+            advance(t.n_bytes)
     return out, dict(tensors=len(out), bytes=sum(a.nbytes for a, _ in out.values()),
                      seconds=time.perf_counter() - t0)
