@@ -203,6 +203,13 @@ def explain(llm, ubatch):
     console.print(legend())
     for line in unfused_lines(llm, sorted({1, ubatch})):
         console.print(line, highlight=False)
+    if llm.cfg.is_mla:
+        c = llm.cfg
+        expanded = c.n_head * (c.qk_nope_dim + c.n_rot + c.v_head_dim)
+        console.print(f"MLA: the cache keeps {c.kv_lora_rank} latent + {c.n_rot} roped key values "
+                      f"per token and layer ({c.head_dim * 2} bytes; expanded keys and values would "
+                      f"be {expanded * 2}); queries absorb attn_k_b and outputs attn_v_b at every "
+                      "batch size", highlight=False)
     if llm.cfg.n_nextn:
         n, il = llm.cfg.n_nextn, llm.cfg.n_layer
         console.print(f"{n} NextN layer{'s' * (n > 1)} not run (blk.{il}"
