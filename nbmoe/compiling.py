@@ -139,6 +139,7 @@ def start_ahead(llm, batches):
            "-t", "1", "--batches", ",".join(map(str, batches)), "--quiet"]
     if llm.repacked:
         cmd.append("-rtr")
+    cmd += ["-fa", llm.flash_attn]     # the prompts' attention kernel (-fa off: the plain one)
     try:
         _ahead = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)

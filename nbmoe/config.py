@@ -39,6 +39,13 @@ GEMM_I8 = env_flag("NBMOE_GEMM_I8", True)
 # prompt path, or a bench's generation, beside it: nbmoe/compiling.py).
 COMPILE_AHEAD = env_flag("NBMOE_COMPILE_AHEAD", True)
 
+# ---- Attention
+# -fa / LLM(flash_attn=...): prompts on the flash (tiled) attention kernels where a backend has
+# one ("auto", "on": and a warning where it has none) or on the plain ones ("off").
+FLASH_ATTN_MODES = ("auto", "on", "off")
+# NBMOE_FLASH_ATTN: the default mode.
+FLASH_ATTN = os.environ.get("NBMOE_FLASH_ATTN", "").strip().lower() or "auto"
+
 # ---- Threads
 # OMP_WAIT_POLICY / GOMP_SPINCOUNT: unless either is set, nbmoe sets OMP_WAIT_POLICY to this, so an
 # idle thread sleeps at once (libgomp's default polls ~ms, stalling a busy machine: docs/performance.md).

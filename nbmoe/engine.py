@@ -39,7 +39,7 @@ class _State:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto"):
+                 zero_copy_experts="auto", flash_attn=None):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -64,7 +64,9 @@ class LLM:
         if repack:
             numba.set_num_threads(self.threads)
             self.repacked, self.repack_stats = repack_weights(self.file, self.weights, self.placement)
-        self.backends = {"CPU": CPUBackend(self.weights, self.repacked), **self._gpu_backends()}
+        self.flash_attn = flash_attn_mode(flash_attn)
+        self.backends = {"CPU": CPUBackend(self.weights, self.repacked, self.flash_attn),
+                         **self._gpu_backends()}
         self._lock_ram_for_zero_copy(auto)
         # the GPU share in use; -zce auto balances it while generating (zero_copy.py)
         self.zce_share = max((s for _, s in self.gpu_slots.values()), default=0)
@@ -85,6 +87,7 @@ class LLM:
         self.state = _State(self.kv)
         self.tokens = []            # token ids whose keys/values are in the cache
         self._plans = {}
+        self._no_flash_warned = set()
         self.last_stats = {}
 
     def _place(self, n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe):
@@ -156,7 +159,7 @@ class LLM:
                           if g == gpu for k in ("gate", "up", "down")]
                     for gpu in set(on_gpu.values())}
         return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_ram,
-                               in_place[n])
+                               in_place[n], self.flash_attn)
                 for n in sorted(set(on_gpu.values()))}
 
     # ---- tokens -------------------------------------------------------------------------
@@ -181,7 +184,16 @@ class LLM:
                                        for il in range(self.cfg.n_layer)])
             self._plans[key] = make_plan(g, self.backends, self.state,
                                          lambda name: self.placement[name][0], self.policy, self.cfg)
+            self._warn_no_flash()
         return self._plans[key]
+
+    def _warn_no_flash(self):
+        """-fa on: one warning per backend and head dim whose prompts have no flash kernel."""
+        for name, be in self.backends.items():
+            for dh in sorted(be.no_flash - self._no_flash_warned):
+                warnings.warn(f"-fa on: {name} has no flash attention kernel for head dim {dh}; "
+                              f"its prompts use the plain kernel", stacklevel=4)
+            self._no_flash_warned |= be.no_flash
 
     def _decode(self, ids, all_logits, timings=None):
         """Run `ids` through the model after the cached tokens, in micro-batches of n_ubatch.
@@ -286,6 +298,18 @@ class LLM:
             yield rest
 
 
+def flash_attn_mode(value):
+    """-fa as llama.cpp names it: "auto", "on" or "off" (also 1 / 0, True / False); None:
+    config.FLASH_ATTN."""
+    from nbmoe import config
+    v = config.FLASH_ATTN if value is None else value
+    v = {True: "on", False: "off", 1: "on", 0: "off", "1": "on", "0": "off"}.get(v, v)
+    v = v.strip().lower() if isinstance(v, str) else v
+    if v not in config.FLASH_ATTN_MODES:
+        raise NbmoeError(f"flash attention must be one of auto, on, off (or 1, 0), got {value!r}")
+    return v
+
+
 def _simulated(backends):
     """The CUDA simulator has no device clock to balance the shares by."""
     return any(getattr(be, "sim", False) for be in backends.values())
@@ -322,7 +346,8 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **plac
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
     computes, reading the weights in place over PCIe while the CPU computes the others;
     "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
-    a layer whose experts are in RAM; 0 = none)."""
+    a layer whose experts are in RAM; 0 = none), flash_attn ("auto", "on", "off": prompts on
+    the flash attention kernels where a backend has one, as llama.cpp's -fa)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()

@@ -33,9 +33,36 @@ def test_bench_json(moe_model):
 
 
 def test_bench_table(moe_model):
-    r = run(["nbmoe.bench", "-m", moe_model, "-p", "8", "-n", "2", "-r", "1", "-t", "1"])
+    """-fa 1,0: a run each, an fa column."""
+    r = run(["nbmoe.bench", "-m", moe_model, "-p", "8", "-n", "2", "-r", "1", "-t", "1", "-fa", "1,0"])
     assert r.returncode == 0, r.stderr
     assert "pp8" in r.stdout and "tg2" in r.stdout and "t/s" in r.stdout and "GB/s" in r.stdout
+    fa = [ln.split("│")[7].strip() for ln in r.stdout.splitlines() if "pp8" in ln]
+    assert fa == ["on", "off"], r.stdout
+
+
+def test_sweep_json_plot_and_plot_from(moe_model, tmp_path):
+    """Two runs (-fa on,off) as json rows and one plot; --plot-from draws the saved runs and
+    shows their tables."""
+    r = run(["nbmoe.sweep", "-m", moe_model, "-c", "48", "-ub", "16", "-n", "2", "-t", "1",
+             "-fa", "on,off", "-o", "json", "--label", "tiny", "--plot", str(tmp_path / "a.png")])
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["label"], x["n_kv"]) for x in rows] == [
+        ("tiny -fa on", 0), ("tiny -fa on", 16), ("tiny -fa off", 0), ("tiny -fa off", 16)]
+    for x in rows:
+        assert (x["pp"], x["tg"], x["n_ubatch"]) == (16, 2, 16)
+        assert x["speed_pp"] == pytest.approx(16 / x["t_pp"]) and x["speed_tg"] > 0
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "a.json").write_text(r.stdout)
+    r = run(["nbmoe.sweep", "--plot-from", str(tmp_path / "a.json"), "--plot", str(tmp_path / "b.png")])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("S_PP t/s") == 2 and "tiny -fa off" in r.stdout
+    assert (tmp_path / "b.png").stat().st_size > 10000
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    msg = one_line_error(run(["nbmoe.sweep", "--plot-from", str(tmp_path / "bad.json"), "--plot",
+                              str(tmp_path / "c.png")]))
+    assert "is not the output of `python -m nbmoe.sweep -o json`" in msg
 
 
 def test_bench_rtr(moe_model):
@@ -110,6 +137,7 @@ def test_explain_and_timings(moe_model):
     assert r.returncode == 0, r.stderr
     assert "tensor placement" in r.stderr and "ffn_up_exps.weight" in r.stderr
     assert "schedule per micro-batch" in r.stderr and "MUL_MAT_ID" in r.stderr
+    assert "attention on CPU (-fa auto): 1 token: one-token kernel, 8 tokens: flash" in r.stderr
     assert "Python scheduling" in r.stderr
 
 
@@ -153,12 +181,18 @@ def test_bad_value_one_line(args, message):
     ("chat", ["-n", "0"], "-n/--n-predict: must be at least 1, or -1"),
     ("chat", ["-zce", "x"], "-zce/--zero-copy-experts: expected 'auto' or a number, got 'x'"),
     ("chat", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("bench", ["-fa", "1,maybe"], "-fa/--flash-attn: expected on, off or auto (or 1, 0), got 'maybe'"),
+    ("chat", ["-fa", "2"], "-fa/--flash-attn: expected on, off or auto (or 1, 0), got '2'"),
+    ("sweep", ["-c", "100", "-ub", "96", "-n", "8"], "-c/--ctx-size: 100 leaves no depth to measure"),
+    ("sweep", ["-n", "0"], "-n/--n-gen: must be at least 1, got 0"),
+    ("sweep", ["--plot-from", "a.json"], "--plot-from: needs --plot FILE.png"),
+    ("sweep", ["-o", "xml"], "-o/--output: invalid choice: 'xml'"),
 ])
 def test_every_flag_checked(tool, args, message, capsys):
-    """The sweep over both tools' flags, in this process (the same parser as above)."""
-    from nbmoe.cli import bench, chat
+    """The sweep over the tools' flags, in this process (the same parser as above)."""
+    from nbmoe.cli import bench, chat, sweep
     with pytest.raises(SystemExit) as e:
-        (bench if tool == "bench" else chat).parse_args(args)
+        {"bench": bench, "chat": chat, "sweep": sweep}[tool].parse_args(args)
     assert e.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
@@ -169,8 +203,11 @@ def test_good_edge_values_accepted():
     a = chat.parse_args(["-n", "-1", "-c", "0", "--seed", "-1", "--temp", "0", "--top-p", "1",
                          "--top-k", "0", "--min-p", "0", "-zce", "0"])
     assert (a.n_predict, a.ctx_size, a.seed) == (-1, 0, -1)
-    b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2"])
+    b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2",
+                          "-fa", "1,0,auto,OFF"])
     assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
+    assert b.fa_list == ["on", "off", "auto", "off"]
+    assert chat.parse_args(["-fa", "off"]).flash_attn == "off" and chat.parse_args([]).flash_attn is None
 
 
 def warnings_of(r):

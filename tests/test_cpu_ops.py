@@ -207,7 +207,7 @@ def test_attention(T, Dh, Hkv, window):
     q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, seed=T * Dh + Hkv)
     scale = 1.0 / np.sqrt(Dh)
     ref = naive.attention(q, k_all, v_all, pos0, scale, window)
-    fns = [att.attention]
+    fns = [att.attention, att.plain_attention]      # plain: -fa off's batch kernel
     fns += [att._decode_seq, att._decode_split] if T == 1 else [flash.flash_seq, flash.flash_par]
     for fn in fns:
         out = np.full_like(q, np.nan)
@@ -215,6 +215,9 @@ def test_attention(T, Dh, Hkv, window):
         assert max_rel(out, ref) < RTOL, fn
     out = q.copy()
     att.attention(out, out, kc, vc, pos0, scale, window)  # in place: out aliases q
+    assert max_rel(out, ref) < RTOL
+    out = q.copy()
+    att.attention(out, out, kc, vc, pos0, scale, window, ops.EMPTY, False)   # -fa off, in place
     assert max_rel(out, ref) < RTOL
 
 
@@ -226,7 +229,7 @@ def test_attention_long_context(T, window):
     q, kc, vc, k_all, v_all = _attn_case(T, H, Hkv, Dh, pos0, C=1040, seed=3)
     q *= 3  # peaked softmax, so the span and tile maxima differ
     ref = naive.attention(q, k_all, v_all, pos0, 0.125, window)
-    fns = (att._decode_split, att._decode_seq) if T == 1 else (flash.flash_par,)
+    fns = (att._decode_split, att._decode_seq) if T == 1 else (flash.flash_par, att.plain_attention)
     for fn in (att.attention,) + fns:
         out = np.empty_like(q)
         fn(out, q, kc, vc, pos0, 0.125, window, ops.EMPTY)

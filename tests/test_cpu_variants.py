@@ -52,7 +52,7 @@ def test_attention_sinks(T, Hkv, window):
     sinks = _sinks(H, seed=T)
     ref = naive.attention(q, k_all, v_all, pos0, 0.125, window, sinks)
     fns = [att._decode_seq, att._decode_split] if T == 1 else [flash.flash_seq, flash.flash_par]
-    for fn in fns:
+    for fn in fns + [att.plain_attention]:
         out = np.full_like(q, np.nan)
         fn(out, q, kc, vc, pos0, 0.125, window, sinks)
         assert max_rel(out, ref) < RTOL, fn

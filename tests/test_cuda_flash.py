@@ -92,8 +92,7 @@ def test_pack_f16x2_rounds_to_nearest_even():
     (13, 3, 1, 16, 0, 0),      # G = 3 (rows of a token across warps), no earlier rows
     (40, 2, 2, 16, 3, 0),      # G = 1: a warp skips the key steps past its tokens
 ])
-def test_flash_attention(T, H, Hkv, Dh, pos0, window, monkeypatch):
-    monkeypatch.setattr(att, "FLASH", True)
+def test_flash_attention(T, H, Hkv, Dh, pos0, window):
     assert T > att.SPLIT_MAX_T and flash.supported(Dh)
     q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T + Dh + window)
     for c in (kc, vc):                               # NaN in the unused cache rows: never read

@@ -52,9 +52,8 @@ def test_attention_sinks_split(window, pos0, keys, small, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [0, 4])
-def test_attention_sinks_no_split(window, small, monkeypatch):
+def test_attention_sinks_no_split(window, small):
     """T = 3 (a prompt, Dh = 40: the warp-per-query kernel, no key splits), GQA, in place."""
-    monkeypatch.setattr(att, "FLASH", True)
     T, H, Hkv, Dh, pos0 = 3, 4, 2, 40, 6
     assert not flash.supported(Dh)
     q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=12, seed=window)
@@ -66,8 +65,7 @@ def test_attention_sinks_no_split(window, small, monkeypatch):
 
 
 @pytest.mark.parametrize("T,H,Hkv,Dh,pos0,window", [(20, 4, 2, 32, 5, 0), (13, 3, 1, 16, 0, 7)])
-def test_flash_attention_sinks(T, H, Hkv, Dh, pos0, window, monkeypatch):
-    monkeypatch.setattr(att, "FLASH", True)
+def test_flash_attention_sinks(T, H, Hkv, Dh, pos0, window):
     assert T > att.SPLIT_MAX_T and flash.supported(Dh)
     q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=pos0 + T + 3, seed=T)
     sinks = np.array([2.0, 25.0, -3.0, 0.5][:H], np.float32)

@@ -404,3 +404,31 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
     ref.eval(ids)
     for tok in (17, 200, 5, 9) if long else (17, 200):
         assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
+
+
+@pytest.mark.parametrize("fa", ["on", "off"])
+def test_flash_attn_on_off_equal_cpu(whole, fa):
+    """-fa on / off on the GPU: a 3-token prompt (past the decoding kernel's 2) on the flash
+    kernel or the warp-per-query one, both the CPU engine's and the float64 reference's logits."""
+    from nbmoe.model import reference
+    ids = [1, 17, 200]
+    llm = load(whole, n_gpu_layers=99, flash_attn=fa)
+    got = llm.eval(ids)
+    assert llm.backends["CUDA0"].attn_paths[(3, llm.cfg.head_dim)] == ("flash" if fa == "on" else "plain")
+    assert close(got, cpu_logits(whole, ids), rel=2e-3 if fa == "on" else 2e-4)   # on: P in f16
+    want = reference.forward(llm.cfg, llm.file.tensors, ids)
+    cos = np.sum(got * want, -1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert cos.min() >= 0.999
+
+
+def test_flash_attn_on_without_a_kernel_is_recorded():
+    """-fa on where CUDA has no flash kernel (Dh 40): the plain kernel, noted for the warning;
+    auto takes it silently."""
+    from types import SimpleNamespace
+    from nbmoe.backends.cpu import Backend
+    from nbmoe.cuda import attention
+    for mode, noted in (("on", {40}), ("auto", set())):
+        be = SimpleNamespace(flash_attn=mode, attn=attention, attn_paths={}, no_flash=set())
+        assert not Backend.use_flash(be, 8, 40) and Backend.use_flash(be, 8, 32)
+        assert not Backend.use_flash(be, 2, 32)          # decoding: its own kernel in every mode
+        assert be.no_flash == noted and be.attn_paths[(2, 32)] == "one-token kernel"

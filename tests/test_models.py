@@ -68,6 +68,25 @@ def test_eval_in_pieces_equals_eval_at_once(tiny_model):
     assert np.abs(whole - parts).max() <= 1e-4 * np.abs(whole).max()
 
 
+def test_flash_attn_on_and_off_match_reference(tiny_model, monkeypatch):
+    """-fa on (tiled prompt kernel) and off (plain_attention): the float64 reference's logits,
+    and each other's, for a prompt and a second batch after it in the cache."""
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    path = tiny_model(**ARCHS["qwen3moe"], default_type="F16")
+    ids, more = PROMPT, [3, 44, 180, 9, 61]
+    got = {}
+    for fa in ("on", "off"):
+        llm = nbmoe.load(path, n_ctx=64, threads=2, flash_attn=fa)
+        got[fa] = np.concatenate([llm.eval(ids), llm.eval(more)])
+        want = reference.forward(llm.cfg, llm.file.tensors, ids + more)
+        assert cosine_rows(got[fa], want).min() >= 0.999
+        assert llm.backends["CPU"].attn_paths[(len(ids), llm.cfg.head_dim)] == (
+            "flash" if fa == "on" else "plain")
+    assert np.abs(got["on"] - got["off"]).max() <= 1e-4 * np.abs(got["off"]).max()
+    with pytest.raises(nbmoe.NbmoeError, match="one of auto, on, off"):
+        nbmoe.load(path, n_ctx=16, flash_attn="maybe")
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS"])
 def test_kquant_and_iq_models_match_reference(tiny_model, qtype, monkeypatch):
     """Models made of 256-value block types (tools/make_model.py quantizes them with the

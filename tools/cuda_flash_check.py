@@ -1,5 +1,5 @@
 """Check and time flash attention (nbmoe/cuda/flash.py, f16 tensor cores) on a GPU against the
-warp-per-query kernel (attention.py with FLASH off), one line per case:
+warp-per-query kernel (attention.py with fa=False), one line per case:
 
     PYTHONUNBUFFERED=1 python tools/cuda_flash_check.py [--tiles 4x64x2,8x64x1] [-n 5]
 
@@ -65,12 +65,10 @@ def main():
         out = cuda.device_array((T, H, Dh), np.float32)
         n_avg = (min(a.window, pos0 + (T + 1) / 2) if a.window else pos0 + (T + 1) / 2)
         flops = 4 * T * n_avg * H * Dh
-        run = lambda i: att.attention(out, q, kc, vc, pos, scale, a.window)   # noqa: E731
-        att.FLASH = False
-        run(0)
+        run = lambda i, fa=True: att.attention(out, q, kc, vc, pos, scale, a.window, fa=fa)   # noqa: E731
+        run(0, False)
         ref = out.copy_to_host()
-        t_w = time_ms(run, a.n)
-        att.FLASH = True
+        t_w = time_ms(lambda i: run(i, False), a.n)
         for cfg in configs:
             for k, v in zip(keys, cfg):
                 setattr(flash, k, v)

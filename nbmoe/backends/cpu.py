@@ -33,8 +33,11 @@ class Backend:
     mm = ops = attn = moe = None        # kernel modules, set by subclasses
     positions_on_device = False         # attention takes the pos buffer, not state.pos0
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, flash_attn="auto"):
         self.tensors = tensors          # GGUF TensorInfo by name (host side)
+        self.flash_attn = flash_attn    # -fa: "auto" | "on" | "off", read when ATTN binds
+        self.attn_paths = {}            # (T, Dh) -> the attention kernel bound (--explain)
+        self.no_flash = set()           # -fa on: head dims of prompts with no flash kernel
 
     # -- what subclasses provide ----------------------------------------------------------
     def alloc(self, shape, dtype):
@@ -140,12 +143,25 @@ class Backend:
         name = node.params.get("sinks")
         return self.vector(name) if name else None
 
+    def use_flash(self, T, Dh):
+        """-fa: whether ATTN of T tokens, head dim Dh binds the flash kernel. auto and on take
+        it where the backend has one (attn.flash_used); on records a prompt shape without one."""
+        fa = self.flash_attn != "off" and self.attn.flash_used(T, Dh)
+        if self.attn.decoding(T):
+            self.attn_paths[(T, Dh)] = "one-token kernel"
+        else:
+            self.attn_paths[(T, Dh)] = "flash" if fa else "plain"
+            if self.flash_attn == "on" and not fa:
+                self.no_flash.add(Dh)
+        return fa
+
     def bind_attn(self, node, buf, state):
         out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
         extra = {} if self.sinks(node) is None else {"sinks": self.sinks(node)}
+        extra["fa"] = self.use_flash(q.shape[0], q.shape[-1])
         if self.positions_on_device:     # kernels read the position from the pos buffer
             def run():
                 attn.store_kv(kc, vc, k, v, pos)
@@ -233,8 +249,8 @@ class CPUBackend(Backend):
     fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
                   "moe_block")
 
-    def __init__(self, tensors, repacked=None):
-        super().__init__(tensors)
+    def __init__(self, tensors, repacked=None, flash_attn="auto"):
+        super().__init__(tensors, flash_attn)
         from nbmoe.cpu import attention, blocks, fused, matmul, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
         self.blocks = blocks
@@ -323,6 +339,7 @@ class CPUBackend(Backend):
         kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
         sinks = self.sinks(att) if self.sinks(att) is not None else self.empty()
+        self.use_flash(1, bq.shape[-1])         # one token: the decode kernel (recorded for --explain)
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
             rows, rope_p, neox, kc, vc, scale, window, sinks), "ATTN_BLOCK")

@@ -146,8 +146,8 @@ class _OnStream:
 class CUDABackend(FusionBinders, Backend):
     positions_on_device = True   # attention reads positions from the pos buffer (graphs)
 
-    def __init__(self, name, tensors, resident, in_ram=(), zero_copy=()):
-        super().__init__(tensors)
+    def __init__(self, name, tensors, resident, in_ram=(), zero_copy=(), flash_attn="auto"):
+        super().__init__(tensors, flash_attn)
         from numba import cuda
 
         from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, ops, x8

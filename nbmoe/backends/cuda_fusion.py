@@ -244,6 +244,7 @@ class FusionBinders:
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
             self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
 
+        fa = self.use_flash(T, Dh)
         if attn.rope_supported(T, Dh):    # one launch (decoding)
             def rope_attention():
                 xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
@@ -257,7 +258,8 @@ class FusionBinders:
 
         def attention():
             xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
-            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds, sinks=sinks)
+            attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds, sinks=sinks,
+                           fa=fa)
         return ([None] * (len(members) - 2) + [_labelled(norm_rope_store, "QK_NORM+ROPE+KV_STORE")]
                 + [_labelled(attention, "ATTN")])
 

@@ -10,31 +10,21 @@ the repetitions. For tg the table also shows the weight bytes the CPU reads from
 run; with a GPU, a second column counts all weights, wherever they are read.
 """
 import argparse
-import csv
-import io
-import json
 import os
 import platform
 import sys
 import time
-from collections import defaultdict
 from datetime import datetime, timezone
 
 import numpy as np
-from gguf import LlamaFileType
 from rich.console import Console
 from rich.table import Table
 
-from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, loading, placement_kwargs, resolve_model, zce_value)
-
-
-def int_list(s):
-    try:
-        return [int(v) for v in str(s).split(",") if v.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
+from nbmoe.cli.checks import Parser, one_line_warnings
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
+                              err_console, friendly_errors, resolve_model)
+from nbmoe.cli.measure import (configs, explain, gpu_info, human, int_list, load_config, model_facts,
+                               parse_lists, print_json_csv, table_console)
 
 
 def parse_args(argv=None):
@@ -54,65 +44,13 @@ def parse_args(argv=None):
                    help="print the time per op type, copies and overhead of each test "
                         "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
     add_repack_arg(p, lists=True)
+    add_flash_attn_arg(p, lists=True)
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
-    lists = {dest: int_list_arg(p, dest, getattr(args, dest))
-             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack")}
-    try:
-        lists["zero_copy_experts"] = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",")
-                                      if v.strip()]
-    except argparse.ArgumentTypeError as e:
-        p.error(f"argument -zce/--zero-copy-experts: {e}")
-    check_values(p, {**vars(args), **lists})
-    args.threads = check_threads(p, args.threads)
+    parse_lists(p, args)
     if not any(args.n_prompt + args.n_gen):
         p.error("nothing to run: every -p and -n is 0")
-    args.ngl_list, args.ub_list, args.zce_list = (lists["n_gpu_layers"], lists["ubatch_size"],
-                                                  lists["zero_copy_experts"])
-    args.rtr_list = [bool(v) for v in lists["run_time_repack"]]
     return args
-
-
-def model_facts(llm):
-    """Size, parameter count and weight bytes read per generated token (active experts)."""
-    cfg = llm.cfg         # a NextN block is neither loaded nor read (as llama.cpp without MTP)
-    tensors = {n: t for n, t in llm.file.tensors.items() if cfg.runs_tensor(n)}
-    size = sum(t.n_bytes for t in tensors.values())
-    n_params = sum(int(np.prod(t.ne)) for t in tensors.values())
-    per_token = ram_per_token = 0.0
-    for name, t in tensors.items():
-        if name.endswith("_exps.weight"):
-            n = t.n_bytes * cfg.n_expert_used / cfg.n_expert
-        elif name == "token_embd.weight" and "output.weight" in tensors:
-            n = t.n_bytes / cfg.n_vocab        # one row looked up
-        else:
-            n = t.n_bytes
-        per_token += n
-        if llm.placement[name][0] == "CPU":   # generation never offloads: read from RAM
-            ram_per_token += n
-    ftype = file_type_name(llm.file.meta, tensors)
-    experts = f"{cfg.n_expert}x" if cfg.is_moe else ""
-    label = f"{cfg.arch} {experts}{human(n_params)} {ftype}"
-    return dict(size=size, n_params=n_params, bytes_per_token=per_token,
-                ram_bytes_per_token=ram_per_token, label=label)
-
-
-def file_type_name(meta, tensors):
-    """llama.cpp's name for the file's main quantization (general.file_type), e.g. Q4_1."""
-    try:
-        return LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
-    except (KeyError, ValueError):
-        by_type = defaultdict(int)
-        for t in tensors.values():
-            by_type[t.type_name] += t.n_bytes
-        return max(by_type, key=by_type.get)
-
-
-def human(n):
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.1f}{unit}" if n < 10 * div else f"{n / div:.0f}{unit}"
-    return str(n)
 
 
 def run_pp(llm, n_prompt, n_batch, rng):
@@ -147,24 +85,18 @@ def main(argv=None):
 
         from nbmoe.compiling import CompileProgress, wait_ahead
         from nbmoe.cpu.membw import read_bandwidth
-        from nbmoe.engine import default_threads, load
+        from nbmoe.engine import default_threads
         path = resolve_model(args.model)
         threads_list = args.threads or [default_threads()]
         need = max([1] + args.n_prompt + args.n_gen)
         rng = np.random.default_rng(0)
         rows, bw = [], {}
         llm = None
-        for ngl, ub, rtr, zce in [(g, u, r, z) for g in args.ngl_list for u in args.ub_list
-                                  for r in args.rtr_list for z in args.zce_list]:
+        for c in configs(args):
+            ngl, ub, rtr = c["ngl"], c["ub"], c["rtr"]
             llm = None      # the previous model's memory (and repacked copies) go first
-            with loading(f"loading {path}"):
-                llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
-                           **placement_kwargs(args, ngl, zce))
+            llm = load_config(path, args, c, need, threads_list[0], quiet=args.output != "md")
             facts = model_facts(llm)
-            if llm.repack_stats and args.output == "md":
-                s = llm.repack_stats
-                err_console.print(f"  -rtr: {s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB "
-                                  f"repacked in {s['seconds']:.2f} s")
             if args.explain:
                 explain(llm, ub)
             for threads in threads_list:
@@ -184,8 +116,8 @@ def main(argv=None):
                                          bw.get(threads), ngl, ub))
                     if args.output == "md":
                         err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
-                                          f"zce={rows[-1]['zero_copy_experts']} t={threads}: "
-                                          f"{rows[-1]['avg_ts']:.2f} t/s")
+                                          f"zce={rows[-1]['zero_copy_experts']} fa={llm.flash_attn} "
+                                          f"t={threads}: {rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
         print_rows(rows, args.output, facts)
@@ -193,27 +125,6 @@ def main(argv=None):
 
 def tests(args):
     return [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
-
-
-def explain(llm, ubatch):
-    from nbmoe.sched.explain import legend, placement_table, schedule_table, unfused_lines
-    console = Console(stderr=True, width=200)
-    console.print(placement_table(llm.placement))
-    console.print(schedule_table(llm, sorted({1, ubatch})))
-    console.print(legend())
-    for line in unfused_lines(llm, sorted({1, ubatch})):
-        console.print(line, highlight=False)
-    if llm.cfg.is_mla:
-        c = llm.cfg
-        expanded = c.n_head * (c.qk_nope_dim + c.n_rot + c.v_head_dim)
-        console.print(f"MLA: the cache keeps {c.kv_lora_rank} latent + {c.n_rot} roped key values "
-                      f"per token and layer ({c.head_dim * 2} bytes; expanded keys and values would "
-                      f"be {expanded * 2}); queries absorb attn_k_b and outputs attn_v_b at every "
-                      "batch size", highlight=False)
-    if llm.cfg.n_nextn:
-        n, il = llm.cfg.n_nextn, llm.cfg.n_layer
-        console.print(f"{n} NextN layer{'s' * (n > 1)} not run (blk.{il}"
-                      f"{f'..{il + n - 1}' if n > 1 else ''}: the file's draft head)", highlight=False)
 
 
 def show_timings(llm, kind, n, n_batch, rng):
@@ -253,6 +164,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         model_filename=os.path.basename(path), model_type=facts["label"],
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
         n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
+        flash_attn=llm.flash_attn, flash_attn_given=args.flash_attn is not None,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
@@ -268,32 +180,18 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
     )
 
 
-def gpu_info():
-    from numba import cuda
-    try:
-        return ", ".join(str(g.name.decode() if isinstance(g.name, bytes) else g.name) for g in cuda.gpus)
-    except Exception:
-        return "CUDA"
-
-
 def print_rows(rows, fmt, facts):
-    if fmt == "json":
-        print(json.dumps(rows, indent=2))
-        return
-    if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=[k for k in rows[0] if not k.startswith("samples")])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: v for k, v in r.items() if not k.startswith("samples")})
-        print(buf.getvalue(), end="")
+    if fmt in ("json", "csv"):
+        print_json_csv(rows, fmt)
         return
     table = Table(title="nbmoe bench", title_justify="left")
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
     show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
     show_zce = any(r["zero_copy_experts"] for r in rows)
+    show_fa = any(r["flash_attn_given"] for r in rows)        # -fa given: its column
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + [
+        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + (
+        ["fa"] if show_fa else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -310,12 +208,10 @@ def print_rows(rows, fmt, facts):
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
                       *([str(int(r["repack"]))] if show_rtr else []),
-                      *([str(r["zero_copy_experts"])] if show_zce else []), test,
+                      *([str(r["zero_copy_experts"])] if show_zce else []),
+                      *([r["flash_attn"]] if show_fa else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
-    console = Console()
-    if not console.is_terminal:   # piped: do not wrap the table at 80 columns
-        console = Console(width=200)
-    console.print(table)
+    table_console().print(table)
     print(f"weights read per generated token: {facts['bytes_per_token'] / 2**20:.1f} MiB "
           f"(active experts only), {facts['ram_bytes_per_token'] / 2**20:.1f} MiB of them from RAM",
           file=sys.stdout)

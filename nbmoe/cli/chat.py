@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, loading, placement_kwargs, resolve_model, warm_up)
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
+                              err_console, friendly_errors, loading, placement_kwargs, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
 HELP = """commands:
@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true",
                    help="go on past the model's end-of-generation tokens (to -n or the context's end)")
     add_repack_arg(p)
+    add_flash_attn_arg(p)
     add_placement_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))

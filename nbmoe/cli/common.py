@@ -30,6 +30,36 @@ def add_repack_arg(p, lists=False):
                             "(faster CPU kernels)")
 
 
+def add_flash_attn_arg(p, lists=False):
+    """-fa, as llama.cpp names it (bench and sweep: a comma list, a run each)."""
+    p.add_argument("-fa", "--flash-attn", default=None, type=str if lists else flash_attn_value,
+                   help="flash attention for prompts: on, off or auto (also 1 / 0; default auto: the "
+                        "flash kernels where a backend has one)" + (" (comma list)" if lists else ""))
+
+
+def flash_attn_value(v):
+    """-fa: on | off | auto (1 / 0 as llama-bench), as the engine names it."""
+    from nbmoe.engine import flash_attn_mode
+    from nbmoe.errors import NbmoeError
+    try:
+        return flash_attn_mode(v)
+    except NbmoeError:
+        raise argparse.ArgumentTypeError(f"expected on, off or auto (or 1, 0), got {v!r}") from None
+
+
+def flash_attn_list(parser, text):
+    """-fa's comma list (bench, sweep): [None] when not given (the engine's default)."""
+    if text is None:
+        return [None]
+    try:
+        values = [flash_attn_value(v.strip()) for v in str(text).split(",") if v.strip()]
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"argument -fa/--flash-attn: {e}")
+    if not values:
+        parser.error(f"argument -fa/--flash-attn: expected on, off or auto (or 1, 0), got {text!r}")
+    return values
+
+
 def add_placement_args(p, lists=False):
     """-ngl -ot -op --cpu-moe --n-cpu-moe, as in llama.cpp (bench takes comma lists for -ngl)."""
     from nbmoe.model.graph import OPS
@@ -59,8 +89,12 @@ def zce_value(v):
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {v!r}") from None
 
 
-def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None):
+def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None, flash_attn=None):
+    """The load() keywords of the placement flags and -fa (the tools with lists pass the
+    run's values; None: the flag's own, or the engine's default)."""
+    fa = flash_attn if flash_attn is not None else getattr(args, "flash_attn", None)
     return dict(n_gpu_layers=args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
+                flash_attn=fa,
                 override_tensors=args.override_tensor, offload_policy=args.offload_policy,
                 cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
                 zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts)

@@ -11,7 +11,8 @@ and the bench also run it themselves, as a second process, at a cold start.
 """
 import argparse
 
-from nbmoe.cli.common import add_model_args, add_repack_arg, err_console, friendly_errors, resolve_model
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_repack_arg, err_console,
+                              friendly_errors, resolve_model)
 
 
 def parse_args(argv=None):
@@ -19,6 +20,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_repack_arg(p)
+    add_flash_attn_arg(p)
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--batches", default="1,2,16", help="batch sizes to compile for (comma list)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -48,7 +50,7 @@ def main(argv=None):
         from nbmoe.engine import load
         path = resolve_model(args.model)
         llm = load(path, n_ctx=max(args.batch_list) + 1, threads=args.threads, n_ubatch=args.ubatch_size,
-                   repack=args.run_time_repack)
+                   repack=args.run_time_repack, flash_attn=args.flash_attn)
         if args.quiet:
             compile_batches(llm, args.batch_list)
             return

@@ -14,9 +14,11 @@ more term, a key of logit sinks[h] (not scaled) and value zero:
     m = max(max_j s_j, sinks[h]).
 It changes only the final normalisation, done once per row (attention_flash.sink_norm).
 
-Prompts (T > 1) go to the tiled kernel in attention_flash.py; generation (T = 1) to the
-decode kernel here, which reads the cache directly (each key and value is used G times only,
-too few to pay for a float32 copy).
+Prompts (T > 1) go to the tiled kernel in attention_flash.py (flash attention, -fa on / auto),
+or with -fa off to plain_attention here: each token's scores over all its keys, one softmax,
+then P @ V, as the decode kernel does for one token. Generation (T = 1) always takes the decode
+kernel, which reads the cache directly (each key and value is used G times only, too few to
+pay for a float32 copy).
 """
 import numpy as np
 from numba import carray, njit, prange
@@ -153,11 +155,11 @@ def _key_range(pos0, window):
 
 
 @njit(cache=True, error_model="numpy")
-def _load_q(qp, q, g, G, scale):
-    """qp[:G] = scale * the query rows of kv head g (rows G.. stay as they are: zero)."""
+def _load_q(qp, q, g, G, scale, t=0):
+    """qp[:G] = scale * token t's query rows of kv head g (rows G.. stay as they are: zero)."""
     s = np.float32(scale)
     for a in range(G):
-        src = q[0, g * G + a]
+        src = q[t, g * G + a]
         for i in range(qp.shape[1]):
             qp[a, i] = src[i] * s
 
@@ -232,21 +234,34 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks):
 
 # ---------------------------------------------------------------- attention
 
-def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY):
+def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY, fa=True):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
     j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent
     positions, itself included). The cache must already hold rows 0 .. pos0 + T - 1
     (store_kv first). sinks [H]: see the module's docstring (EMPTY: none). One token and a
-    batch are separate kernels: each compiles alone.
+    batch are separate kernels: each compiles alone. fa: a batch takes the tiled (flash)
+    kernel, else plain_attention (-fa off).
     """
     if sinks.shape[0] not in (0, q.shape[1]):
         raise ValueError(f"attention: {sinks.shape[0]} sinks for {q.shape[1]} heads")
     if q.shape[0] == 1:
         decode_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
-    else:
+    elif fa:
         batch_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
+    else:
+        plain_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
+
+
+def flash_used(T, Dh):
+    """Whether a batch has a flash kernel here: every prompt batch (T > 1), any Dh."""
+    return T > 1
+
+
+def decoding(T):
+    """Whether a batch takes the one-token decode kernel, whatever -fa says."""
+    return T == 1
 
 
 @njit(inline="always")
@@ -276,3 +291,32 @@ def batch_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks):
         flash.flash_par(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     else:
         flash.flash_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks)
+
+
+# ---------------------------------------------------------------- plain (-fa off)
+# out[t, h] as decode's _decode_span computes it for one token at position pos0 + t: the
+# scores of all its keys in a row s [R, n], one softmax, then P @ V. Parallel over the
+# (token, kv head) pairs, each with its own scratch.
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def plain_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks):
+    """attention() of T tokens without tiling (-fa off); sinks [H] or size 0 (none)."""
+    T, H, Dh = q.shape
+    _keys(T, pos0, window, k_cache)
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    R = (G + RB - 1) // RB * RB
+    for task in prange(T * Hkv):
+        t, g = task // Hkv, task % Hkv
+        lo, hi = _key_range(pos0 + t, window)
+        qp = np.zeros((R, Dh), np.float32)
+        s = np.empty((R, hi - lo), np.float32)
+        acc = np.empty((R, Dh), np.float32)
+        ml = np.empty((R, 2), np.float32)
+        _load_q(qp, q, g, G, scale, t)      # before out's rows: out may alias q
+        _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s)
+        for a in range(G):
+            inv = flash.sink_norm(ml[a, 0], ml[a, 1], sinks, g * G + a)
+            o = out[t, g * G + a]
+            for i in range(Dh):
+                o[i] = acc[a, i] * inv

@@ -26,9 +26,8 @@ HEADS_PER_BLOCK = 4
 # capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one
 # after the other (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
-# Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported);
-# off, or for other Dh, the warp-per-query kernel below.
-FLASH = True
+# Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported)
+# and attention()'s fa is on (-fa auto / on); else the warp-per-query kernel below.
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
 # Keys a split takes at least while the cache holds few (see active_splits); 0: every split
@@ -371,7 +370,7 @@ def _buffer(name, shape):
 
 
 def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None,
-              sinks=None):
+              sinks=None, fa=True):
     """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
 
     pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
@@ -384,6 +383,7 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     sinks: float32 [H] device array or None / EMPTY (cuda.empty()): head h's softmax gets one
     more logit, sinks[h] (not scaled), whose value is 0 (gpt-oss):
       out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)).
+    fa: a prompt batch takes flash.py's kernel where flash_used(T, Dh) (-fa off: never).
     """
     T, H, Dh = q.shape
     sinks = _sinks(sinks, H)
@@ -392,11 +392,22 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
-    if FLASH and T > SPLIT_MAX_T and flash.supported(Dh):
+    if fa and flash_used(T, Dh):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
     _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None,
             sinks)
+
+
+def flash_used(T, Dh):
+    """Whether a batch of T tokens with head dim Dh has a flash kernel (flash.py): prompts
+    only (decoding has its key-split kernel), Dh as flash.supported allows."""
+    return T > SPLIT_MAX_T and flash.supported(Dh)
+
+
+def decoding(T):
+    """Whether a batch takes the decoding kernel (key splits), whatever -fa says."""
+    return T <= SPLIT_MAX_T
 
 
 def _sinks(sinks, H):

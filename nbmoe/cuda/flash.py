@@ -1,5 +1,5 @@
 """Flash attention for prompts on f16 tensor cores (mma.sync m16n8k16, mma.py): attention.py calls
-it for T > SPLIT_MAX_T tokens when FLASH is on and Dh is a multiple of 16 (at most MAX_DH).
+it for T > SPLIT_MAX_T tokens unless -fa is off, when Dh is a multiple of 16 (at most MAX_DH).
 
 Letters as in attention.py: T tokens, H query heads, Hkv kv heads, G = H // Hkv query heads per kv
 head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
