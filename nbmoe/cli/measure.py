@@ -114,6 +114,7 @@ def explain(llm, ubatch):
     """--explain: tensor placement, the schedule of one token and of a micro-batch, and the
     attention kernel each backend bound (-fa)."""
     from nbmoe.sched.explain import legend, placement_table, schedule_table, unfused_lines
+    ubatch = min(ubatch, llm.n_ctx)        # a micro-batch never outgrows the context
     console = Console(stderr=True, width=200)
     console.print(placement_table(llm.placement))
     console.print(schedule_table(llm, sorted({1, ubatch})))
