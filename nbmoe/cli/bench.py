@@ -27,7 +27,7 @@ from rich.table import Table
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
 from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, loading, placement_kwargs, resolve_model, zce_value)
+                         friendly_errors, loading, mpi_ranks, placement_kwargs, resolve_model, zce_value)
 
 
 def int_list(s):
@@ -142,7 +142,7 @@ def run_test(llm, kind, n, args, rng):
 def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
-    with friendly_errors():
+    with mpi_ranks(args, (args.threads or [None])[0]), friendly_errors():
         import numba
 
         from nbmoe.compiling import CompileProgress, wait_ahead
@@ -203,6 +203,8 @@ def explain(llm, ubatch):
     console.print(legend())
     for line in unfused_lines(llm, sorted({1, ubatch})):
         console.print(line, highlight=False)
+    for line in llm.ep.explain_lines() if llm.ep else ():
+        console.print(line, highlight=False)
     if llm.cfg.n_nextn:
         n, il = llm.cfg.n_nextn, llm.cfg.n_layer
         console.print(f"{n} NextN layer{'s' * (n > 1)} not run (blk.{il}"
@@ -222,6 +224,8 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     from nbmoe.sched.scheduler import new_timing_table
     llm.reset()
     acc = new_timing_table(whole_graphs)
+    if llm.ep:
+        llm.ep.timed.clear()
     t0 = time.perf_counter()
     if kind == "pp":
         ids = rng.integers(0, llm.cfg.n_vocab, n).tolist()
@@ -235,6 +239,11 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     table.title = (f"{kind}{n}{', CUDA graphs timed whole' if whole_graphs else ''}: "
                    + (table.title or ""))
     Console(stderr=True, width=200).print(table)
+    if llm.ep:      # --ep: the wait for the other ranks, per MoE layer
+        per = {il: sec / n * 1e3 for il, sec in sorted(llm.ep.timed.items())}
+        Console(stderr=True, width=200).print(
+            "MPI wait per MoE layer (ms/token): " + ", ".join(f"blk.{il} {ms:.3f}" for il, ms in per.items()),
+            highlight=False)
 
 
 def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
