@@ -116,14 +116,16 @@ class ExpertParallel:
         if n_ranks > cfg.n_expert:
             raise NbmoeError(f"--ep {n_ranks}: more ranks than the {cfg.n_expert} experts of a layer")
         digest = index_hash(gguf)
-        self.hosts = {0: socket.gethostname()}
+        self.hosts, problems = {0: socket.gethostname()}, []
         for r, hello in sorted(cl.hellos().items()):
             self.hosts[r] = hello["host"]
             if hello["error"]:
-                raise NbmoeError(f"rank {r} ({hello['host']}) cannot serve its experts: {hello['error']}")
-            if hello["digest"] != digest:
-                raise NbmoeError(f"rank {r} ({hello['host']}) has a different model file: its tensor "
-                                 f"index differs from that of rank 0's {gguf.path}")
+                problems.append(f"rank {r} ({hello['host']}) cannot serve its experts: {hello['error']}")
+            elif hello["digest"] != digest:
+                problems.append(f"rank {r} ({hello['host']}) has a different model file: its tensor "
+                                f"index differs from that of rank 0's {gguf.path}")
+        if problems:
+            raise NbmoeError("; ".join(problems))
         self.cluster, self.cfg, self.gguf, self.n_ranks = cl, cfg, gguf, n_ranks
         self.shares = [share_of(r, n_ranks, cfg.n_expert) for r in range(n_ranks)]
         self.share = None                      # rank 0's ExpertShare, made with its backend
