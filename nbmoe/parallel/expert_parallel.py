@@ -67,30 +67,42 @@ class Cluster:
         work = msg.pack_work(self.outbox(msg.work_bytes(T, D, ids.shape[1])), msg.LAYER, layer,
                              h=h, ids=ids, wts=wts)
         sends = [comm.Isend([work, MPI.BYTE], dest=r, tag=msg.WORK) for r in range(1, self.size)]
-        pending = set(range(1, self.size))
-
-        def answered():
-            for r in list(pending):
-                if recvs[r - 1].Test():
-                    pending.discard(r)
-            return not pending
         t0 = time.perf_counter()
         try:
             local(out)
+        finally:            # (on an error too: the replies must not meet the next layer's receives)
             t1 = time.perf_counter()
-        finally:             # (interrupted too: the replies must not meet the next layer's receives)
-            if not msg.poll(answered, config.EP_TIMEOUT):
-                self.lost = min(pending)
-                raise NbmoeError(f"rank {self.lost} sent no partial sums for layer {layer} within "
-                                 f"{config.EP_TIMEOUT} s: it died, hangs or lost its link "
-                                 "(NBMOE_EP_TIMEOUT)")
-            MPI.Request.Waitall(sends)
+            self._collect(layer, recvs, sends)
         for r in range(1, self.size):
             if self.replies[r][0] != 0:
                 raise NbmoeError(f"rank {r}: {comm.recv(source=r, tag=msg.ERROR)}")
         for r in range(1, self.size):
             out += self.replies[r][1:n].reshape(T, D)
         return t1 - t0, time.perf_counter() - t0
+
+    def _collect(self, layer, recvs, sends):
+        """Wait for every rank's reply to `layer` (at most config.EP_TIMEOUT seconds each time
+        it is waited for); a Ctrl-C meanwhile is raised once they are in."""
+        pending, interrupted = set(range(1, self.size)), None
+
+        def answered():
+            for r in list(pending):
+                if recvs[r - 1].Test():
+                    pending.discard(r)
+            return not pending
+        while True:
+            try:
+                if not msg.poll(answered, config.EP_TIMEOUT):
+                    self.lost = min(pending)
+                    raise NbmoeError(f"rank {self.lost} sent no partial sums for layer {layer} within "
+                                     f"{config.EP_TIMEOUT} s: it died, hangs or lost its link "
+                                     "(NBMOE_EP_TIMEOUT)")
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+        self.MPI.Request.Waitall(sends)
+        if interrupted is not None:
+            raise interrupted
 
     def close(self, code):
         """Stop every rank with exit code `code`; with a rank lost, abort the whole run."""
