@@ -131,9 +131,11 @@ _ahead = None       # the helper process (subprocess.Popen), while one runs
 
 def start_ahead(llm, batches):
     """Start `python -m nbmoe.compile` on llm's model for these batch sizes, unless one runs,
-    COMPILE_AHEAD is off or the model has GPU layers (a second process would set up the GPU)."""
+    COMPILE_AHEAD is off, the model has GPU layers (a second process would set up the GPU) or
+    its experts are shared over MPI ranks."""
     global _ahead
-    if _ahead is not None or not config.COMPILE_AHEAD or set(llm.backends) != {"CPU"}:
+    if (_ahead is not None or not config.COMPILE_AHEAD or set(llm.backends) != {"CPU"}
+            or getattr(llm, "ep", None)):      # --ep: a second process would map every expert
         return
     cmd = [sys.executable, "-m", "nbmoe.compile", "-m", llm.path, "-ub", str(llm.n_ubatch),
            "-t", "1", "--batches", ",".join(map(str, batches)), "--quiet"]

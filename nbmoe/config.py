@@ -58,6 +58,17 @@ THREADING_LAYERS = ("omp", "tbb", "workqueue")
 # with (zero_copy.ShareBalancer moves it while generating; tools/zce_sweep.py finds the best fixed one).
 ZERO_COPY_SHARE = 3 / 8
 
+# ---- Expert parallelism over MPI (--ep, nbmoe/parallel)
+# NBMOE_EP_TIMEOUT: seconds rank 0 waits for a rank's partial sums of a layer before it names the
+# rank as lost and ends the run (a dead, hung or unreachable rank; longer than any layer's work).
+EP_TIMEOUT = env_int("NBMOE_EP_TIMEOUT", 60)
+# NBMOE_EP_START_TIMEOUT: seconds rank 0 waits at load for every rank to open the file and compile.
+EP_START_TIMEOUT = env_int("NBMOE_EP_START_TIMEOUT", 600)
+# A rank waiting for a message polls without pause this long, then sleeps between polls, from
+# EP_PAUSE[0] doubling to EP_PAUSE[1] seconds (MPI's blocking waits spin a core at 100 %).
+EP_SPIN_S = 1e-3
+EP_PAUSE = (5e-5, 2e-3)
+
 # ---- CUDA: fallbacks for a driver that refuses a feature
 # NBMOE_NO_GRAPHS=1: launch decoding's kernels one by one instead of replaying CUDA graphs.
 GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)

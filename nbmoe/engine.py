@@ -39,7 +39,7 @@ class _State:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto", flash_attn=None):
+                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -47,6 +47,11 @@ class LLM:
         self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None, self.file.tensors)
         check_tensors(self.cfg, self.file.tensors, cpu_matmul.is_supported)
         load_order.preload()     # callees before their callers, as when they compiled
+        self.ep = None           # --ep: the experts shared over MPI ranks (nbmoe/parallel)
+        if expert_parallel and expert_parallel > 1:
+            from nbmoe.parallel.expert_parallel import ExpertParallel
+            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel)
+            zero_copy_experts = 0
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
         # (a NextN block's tensors stay in the file, unread, unplaced, never uploaded)
@@ -63,10 +68,13 @@ class LLM:
         self.repacked, self.repack_stats = {}, None
         if repack:
             numba.set_num_threads(self.threads)
-            self.repacked, self.repack_stats = repack_weights(self.file, self.weights, self.placement)
+            mine = {n: t for n, t in self.weights.items()   # --ep: rank 0 reads only its share
+                    if not (self.ep and self.placement[n][1].startswith("--ep"))}
+            self.repacked, self.repack_stats = repack_weights(self.file, mine, self.placement)
         self.flash_attn = flash_attn_mode(flash_attn)
-        self.backends = {"CPU": CPUBackend(self.weights, self.repacked, self.flash_attn),
-                         **self._gpu_backends()}
+        cpu = (self.ep.backend(self.weights, self.repacked, self.flash_attn) if self.ep
+               else CPUBackend(self.weights, self.repacked, self.flash_attn))
+        self.backends = {"CPU": cpu, **self._gpu_backends()}
         self._lock_ram_for_zero_copy(auto)
         # the GPU share in use; -zce auto balances it while generating (zero_copy.py)
         self.zce_share = max((s for _, s in self.gpu_slots.values()), default=0)
@@ -74,6 +82,8 @@ class LLM:
         if auto and self.zce_share and not _simulated(self.backends):
             self.balancer = ShareBalancer(self.zce_share, self.cfg.n_expert_used)
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
+        if self.ep:              # the experts are the ranks': never uploaded for a prompt
+            self.policy = OffloadPolicy({**self.policy.enabled, "MUL_MAT_ID": False})
         self.tokenizer = Tokenizer.from_meta(meta)
         self.n_ubatch = max(1, int(n_ubatch))
         if n_ctx is not None and n_ctx < 0:
@@ -100,7 +110,8 @@ class LLM:
                 warnings.warn(f"no usable CUDA GPU: -ngl {n_gpu_layers} is ignored, every layer "
                               "runs on the CPU", stacklevel=3)
         buftypes = ["CPU"] + devices
-        rules = parse_overrides(override_tensors, buftypes) + moe_overrides(cpu_moe, n_cpu_moe)
+        rules = ((self.ep.overrides() if self.ep else []) + parse_overrides(override_tensors, buftypes)
+                 + moe_overrides(cpu_moe, n_cpu_moe))
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
     def _zero_copy_layers(self, n, auto=False):

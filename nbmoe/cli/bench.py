@@ -22,7 +22,7 @@ from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
 from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, resolve_model)
+                              err_console, friendly_errors, mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, gpu_info, human, int_list, load_config, model_facts,
                                parse_lists, print_json_csv, table_console)
 
@@ -80,7 +80,7 @@ def run_test(llm, kind, n, args, rng):
 def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
-    with friendly_errors():
+    with mpi_ranks(args, (args.threads or [None])[0]), friendly_errors():
         import numba
 
         from nbmoe.compiling import CompileProgress, wait_ahead
@@ -140,6 +140,8 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     from nbmoe.sched.scheduler import new_timing_table
     llm.reset()
     acc = new_timing_table(whole_graphs)
+    if llm.ep:
+        llm.ep.timed.clear()
     t0 = time.perf_counter()
     if kind == "pp":
         ids = rng.integers(0, llm.cfg.n_vocab, n).tolist()
@@ -153,6 +155,11 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
     table.title = (f"{kind}{n}{', CUDA graphs timed whole' if whole_graphs else ''}: "
                    + (table.title or ""))
     Console(stderr=True, width=200).print(table)
+    if llm.ep:      # --ep: the wait for the other ranks, per MoE layer
+        per = {il: sec / n * 1e3 for il, sec in sorted(llm.ep.timed.items())}
+        Console(stderr=True, width=200).print(
+            "MPI wait per MoE layer (ms/token): " + ", ".join(f"blk.{il} {ms:.3f}" for il, ms in per.items()),
+            highlight=False)
 
 
 def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):

@@ -11,7 +11,8 @@ import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
 from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, loading, placement_kwargs, resolve_model, warm_up)
+                              err_console, friendly_errors, loading, mpi_ranks, placement_kwargs,
+                              resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
 HELP = """commands:
@@ -206,7 +207,7 @@ def repl(chat, banner):
 def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
-    with friendly_errors():
+    with mpi_ranks(args, args.threads), friendly_errors():
         from nbmoe.engine import load
         path = resolve_model(args.model)
         with loading(f"loading {path}"):

@@ -77,6 +77,9 @@ def add_placement_args(p, lists=False):
                         "that routed computes N, reading their weights in place over PCIe, while the "
                         "CPU computes the others (auto = from 3/8 of them, balanced while generating; 0 = off" +
                         ("; comma list)" if lists else ")"))
+    p.add_argument("--ep", type=int, default=1, metavar="R",
+                   help="expert parallelism: share each MoE layer's experts over the R ranks of "
+                        "mpiexec -n R (rank 0 runs the rest; see README)")
 
 
 def zce_value(v):
@@ -97,7 +100,8 @@ def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None, flash_attn
                 flash_attn=fa,
                 override_tensors=args.override_tensor, offload_policy=args.offload_policy,
                 cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
-                zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts)
+                zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts,
+                expert_parallel=args.ep)
 
 
 def resolve_model(path):
@@ -125,6 +129,20 @@ def friendly_errors():
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+
+
+@contextmanager
+def mpi_ranks(args, threads=None):
+    """--ep R under mpiexec: rank 0 runs the command's body; the other ranks serve their share
+    of the experts here until rank 0 ends, then exit with its code (nbmoe.parallel)."""
+    from nbmoe import parallel
+    with friendly_errors():
+        if args.ep < 1:
+            raise NbmoeError(f"--ep must be 1 or more, got {args.ep}")
+        comm = parallel.world(args.ep)
+        path = resolve_model(args.model) if comm is not None else None
+    with parallel.launch(comm, path, threads) as cluster:
+        yield cluster
 
 
 class _Bars:

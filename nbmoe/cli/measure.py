@@ -121,6 +121,8 @@ def explain(llm, ubatch):
     console.print(legend())
     for line in unfused_lines(llm, sorted({1, ubatch})):
         console.print(line, highlight=False)
+    for line in llm.ep.explain_lines() if llm.ep else ():
+        console.print(line, highlight=False)
     for line in attention_lines(llm):
         console.print(line, highlight=False)
     if llm.cfg.is_mla:

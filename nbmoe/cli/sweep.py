@@ -22,7 +22,7 @@ from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
 from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, resolve_model)
+                              err_console, friendly_errors, mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, int_list, load_config, model_facts, parse_lists,
                                print_json_csv, table_console)
 from nbmoe.errors import NbmoeError
@@ -106,7 +106,7 @@ def run_label(args, c, threads, llm):
 def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
-    with friendly_errors():
+    with mpi_ranks(args, (args.threads or [None])[0]), friendly_errors():
         if args.plot_from is not None:
             rows = read_runs(args.plot_from)
         else:

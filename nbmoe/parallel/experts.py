@@ -1,0 +1,119 @@
+"""One rank's share of every MoE layer's experts, and the partial sums it computes.
+
+Legend: T tokens, D model dim, A chosen experts per token, F expert FFN width, P the
+(token, slot) pairs whose chosen expert is in this share, E_r the share's experts.
+
+Rank r of R owns experts [r*E/R, (r+1)*E/R) of each layer (share_of); their weights are views
+of the file's mapping, so a rank reads only its share's pages. For a batch it gathers the pairs
+whose expert it owns into rows of their own ([P, 1, D]: one chosen expert each) and runs them
+through the CPU kernels the single-process engine uses for a batch of that many rows (the
+fused gate/up/GLU and down/combine kernels for few rows, the grouped products otherwise);
+a token's partial sum adds its pairs' weighted outputs in slot order (zeros for a token with
+none of this share's experts).
+"""
+import hashlib
+
+import numba
+import numpy as np
+
+from nbmoe.backends.cpu import GLU_KERNELS
+from nbmoe.sched.fusion import FUSED_SUPPORT
+
+
+def share_of(rank, n_ranks, n_expert):
+    """(lo, hi): the experts of rank `rank` in the even split."""
+    return rank * n_expert // n_ranks, (rank + 1) * n_expert // n_ranks
+
+
+def index_hash(gguf):
+    """A digest of the file's tensor index (names, types, shapes, offsets): ranks whose files
+    differ in any of them would compute different experts."""
+    h = hashlib.sha256()
+    for name, t in sorted(gguf.tensors.items()):
+        h.update(f"{name}:{int(t.ggml_type)}:{tuple(int(n) for n in t.ne)}:{t.offset};".encode())
+    return h.hexdigest()
+
+
+def is_expert_tensor(name):
+    """A tensor whose rows are indexed by expert (the products' weights and biases)."""
+    return "_exps." in name
+
+
+class ExpertShare:
+    """Experts lo..hi-1 of each MoE layer of `cfg`, read through `backend` (a CPUBackend: its
+    weight() and vector(), so rank 0 and the others bind the same way)."""
+
+    def __init__(self, cfg, backend, lo, hi):
+        self.cfg, self.backend, self.lo, self.hi = cfg, backend, lo, hi
+        self.mm, self.fused, self.ops = backend.mm, backend.fused, backend.ops
+        self.glu = getattr(self.ops, GLU_KERNELS[cfg.flags.glu])
+        self.act = getattr(self.fused, "ACT_" + cfg.flags.glu.upper(), None)
+        self.layers = {il: self._layer(il) for il in range(cfg.n_layer) if cfg.is_moe_layer(il)}
+
+    def _layer(self, il):
+        """{role: (w [E_r, M, row_bytes], qtype, bias [E_r, M] or None)} of layer il."""
+        out = {}
+        for role in ("gate", "up", "down"):
+            name = f"blk.{il}.ffn_{role}_exps"
+            w, qtype = self.backend.weight(name + ".weight")
+            bias = None
+            if self.cfg.has(f"ffn_{role}_exps.bias"):
+                bias = self.backend.vector(name + ".bias").reshape(w.shape[0], -1)[self.lo:self.hi]
+            out[role] = (w[self.lo:self.hi], qtype, bias)
+        return out
+
+    @property
+    def n_bytes(self):
+        """Bytes of expert weights this share holds (all layers)."""
+        return sum(w.nbytes for layer in self.layers.values() for w, _, _ in layer.values())
+
+    def compute(self, out, il, h, ids, wts):
+        """out [T, D] = sum over token t's slots a whose expert is in this share of
+        wts[t, a] * expert(h[t]); h [T, D], ids [T, A] int32, wts [T, A]."""
+        out[:] = 0
+        t, a = np.nonzero((ids >= self.lo) & (ids < self.hi))       # [P] pairs, token order
+        P = t.shape[0]
+        if P == 0:
+            return
+        x = np.ascontiguousarray(h[t]).reshape(P, 1, -1)              # [P, 1, D]
+        local = (ids[t, a] - self.lo).astype(np.int32).reshape(P, 1)   # [P, 1]
+        w = np.ascontiguousarray(wts[t, a], dtype=np.float32).reshape(P, 1)
+        y = self._experts(il, x, local, w)                            # [P, D] weighted
+        first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])          # each token's first pair
+        out[t[first]] = np.add.reduceat(y, first, axis=0) if P > first.shape[0] else y
+
+    def _experts(self, il, x, ids, w):
+        """y [P, D] = w[p] * down(glu(gate x[p], up x[p])) through expert ids[p] (local)."""
+        (wg, qg, bg), (wu, qu, bu), (wd, qd, bd) = (self.layers[il][r] for r in ("gate", "up", "down"))
+        P, F, D, mm = x.shape[0], wg.shape[1], wd.shape[1], self.mm
+        g = np.empty((P, 1, F), np.float32)
+        fused = (P <= self.backend.max_vec_t and bg is None and bu is None and bd is None
+                 and self.act is not None and qg == qu and FUSED_SUPPORT["CPU"]["GLU"](_Glu(self.cfg)))
+        if fused:      # as the CPU backend's glu_id and down_combine groups
+            step = mm.expert_item_rows(F, wg.shape[2], P, qg)
+            self.fused.glu_id(g, wg, wu, x, ids, qg, mm._int8(qg), step, self.act)
+            y = np.empty((P, D), np.float32)
+            step = mm.expert_item_rows(D, wd.shape[2], P, qd)
+            self.fused.down_combine(y, wd, g, ids, w, qd, mm._int8(qd), step, numba.get_num_threads())
+            return y
+        u = np.empty((P, 1, F), np.float32)
+        self._product(g, wg, x, ids, qg, bg)
+        self._product(u, wu, x, ids, qu, bu)
+        self.glu(g.reshape(P, F), g.reshape(P, F), u.reshape(P, F))
+        yd = np.empty((P, 1, D), np.float32)
+        self._product(yd, wd, g, ids, qd, bd)
+        y = np.empty((P, D), np.float32)
+        self.backend.moe.moe_combine(y, yd, w)
+        return y
+
+    def _product(self, out, w, x, ids, qtype, bias):
+        self.mm.mul_mat_id(out, w, x, ids, qtype)
+        if bias is not None:
+            self.ops.add_bias_id(out, out, bias, ids)
+
+
+class _Glu:
+    """A stand-in GLU node for fusion.FUSED_SUPPORT's test of the activation."""
+
+    def __init__(self, cfg):
+        self.params = {"act": cfg.flags.glu}
