@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
+from nbmoe.cli.common import (add_model_args, add_moe_args, add_placement_args, add_repack_arg, err_console,
                          friendly_errors, placement_kwargs, resolve_model, zce_value)
 
 
@@ -55,9 +55,15 @@ def parse_args(argv=None):
                         "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
     add_repack_arg(p, lists=True)
     add_placement_args(p, lists=True)
+    add_moe_args(p, lists=True)
     args = p.parse_args(argv)
+    # -fmoe / --upload-all-experts: a table column only when given (as llama-bench's)
+    args.show_fmoe, args.show_uae = args.fused_moe is not None, args.upload_all_experts is not None
+    args.fused_moe = "1" if args.fused_moe is None else args.fused_moe
+    args.upload_all_experts = "0" if args.upload_all_experts is None else args.upload_all_experts
     lists = {dest: int_list_arg(p, dest, getattr(args, dest))
-             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack")}
+             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack", "fused_moe",
+                          "upload_all_experts")}
     try:
         lists["zero_copy_experts"] = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",")
                                       if v.strip()]
@@ -70,6 +76,7 @@ def parse_args(argv=None):
     args.ngl_list, args.ub_list, args.zce_list = (lists["n_gpu_layers"], lists["ubatch_size"],
                                                   lists["zero_copy_experts"])
     args.rtr_list = [bool(v) for v in lists["run_time_repack"]]
+    args.fmoe_list, args.uae_list = lists["fused_moe"], lists["upload_all_experts"]
     return args
 
 
@@ -154,11 +161,12 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         rows, bw = [], {}
         llm = None
-        for ngl, ub, rtr, zce in [(g, u, r, z) for g in args.ngl_list for u in args.ub_list
-                                  for r in args.rtr_list for z in args.zce_list]:
+        for ngl, ub, rtr, zce, fmoe, uae in [
+                (g, u, r, z, f, a) for g in args.ngl_list for u in args.ub_list for r in args.rtr_list
+                for z in args.zce_list for f in args.fmoe_list for a in args.uae_list]:
             llm = None      # the previous model's memory (and repacked copies) go first
             llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
-                       **placement_kwargs(args, ngl, zce))
+                       **placement_kwargs(args, ngl, zce, fmoe, uae))
             facts = model_facts(llm)
             if llm.repack_stats and args.output == "md":
                 s = llm.repack_stats
@@ -183,11 +191,12 @@ def main(argv=None):
                                          bw.get(threads), ngl, ub))
                     if args.output == "md":
                         err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
-                                          f"zce={rows[-1]['zero_copy_experts']} t={threads}: "
+                                          f"zce={rows[-1]['zero_copy_experts']} fmoe={fmoe} "
+                                          f"uae={uae} t={threads}: "
                                           f"{rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
-        print_rows(rows, args.output, facts)
+        print_rows(rows, args.output, facts, args)
 
 
 def tests(args):
@@ -248,6 +257,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
+        fused_moe=int(llm.fused_moe), upload_all_experts=int(llm.upload_all_experts),
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
@@ -268,7 +278,7 @@ def gpu_info():
         return "CUDA"
 
 
-def print_rows(rows, fmt, facts):
+def print_rows(rows, fmt, facts, args=None):
     if fmt == "json":
         print(json.dumps(rows, indent=2))
         return
@@ -284,8 +294,10 @@ def print_rows(rows, fmt, facts):
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
     show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
     show_zce = any(r["zero_copy_experts"] for r in rows)
+    show_fmoe, show_uae = getattr(args, "show_fmoe", False), getattr(args, "show_uae", False)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + [
+        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + (
+        ["fmoe"] if show_fmoe else []) + (["uae"] if show_uae else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -302,7 +314,9 @@ def print_rows(rows, fmt, facts):
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
                       *([str(int(r["repack"]))] if show_rtr else []),
-                      *([str(r["zero_copy_experts"])] if show_zce else []), test,
+                      *([str(r["zero_copy_experts"])] if show_zce else []),
+                      *([str(r["fused_moe"])] if show_fmoe else []),
+                      *([str(r["upload_all_experts"])] if show_uae else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     console = Console()
     if not console.is_terminal:   # piped: do not wrap the table at 80 columns

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
+from nbmoe.cli.common import (add_model_args, add_moe_args, add_placement_args, add_repack_arg, err_console,
                          friendly_errors, placement_kwargs, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
@@ -43,6 +43,7 @@ def parse_args(argv=None):
                    help="go on past the model's end-of-generation tokens (to -n or the context's end)")
     add_repack_arg(p)
     add_placement_args(p)
+    add_moe_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     args.threads = check_threads(p, args.threads)
