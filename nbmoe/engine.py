@@ -39,8 +39,10 @@ class _State:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1):
+                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
+                 upload_all_experts=False):
         self.path = os.fspath(path)
+        self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
         emb = self.file.tensors.get("token_embd.weight")
@@ -170,7 +172,7 @@ class LLM:
                           if g == gpu for k in ("gate", "up", "down")]
                     for gpu in set(on_gpu.values())}
         return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_ram,
-                               in_place[n], self.flash_attn)
+                               in_place[n], self.flash_attn, upload_all=self.upload_all_experts)
                 for n in sorted(set(on_gpu.values()))}
 
     # ---- tokens -------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class LLM:
         share = self.zce_share if n_tokens == 1 else 0
         key = (n_tokens, n_logits, share)
         if key not in self._plans:
-            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
+            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe)
             if share:       # -zce: a GPU computes part of each layer's chosen experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
                                        for il in range(self.cfg.n_layer)])
@@ -358,7 +360,9 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **plac
     computes, reading the weights in place over PCIe while the CPU computes the others;
     "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
     a layer whose experts are in RAM; 0 = none), flash_attn ("auto", "on", "off": prompts on
-    the flash attention kernels where a backend has one, as llama.cpp's -fa)."""
+    the flash attention kernels where a backend has one, as llama.cpp's -fa), fused_moe (-fmoe:
+    the experts' gate, up and GLU as one op, MUL_MAT_ID_GLU; False: three), upload_all_experts
+    (an offloaded expert product uploads its whole tensor, not only the experts the router chose)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()

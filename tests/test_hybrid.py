@@ -123,7 +123,7 @@ def test_decode_split_copies_together(model):
     plan = llm.plan(1, 1)
     ops = [what for _, what in plan.labels]
     assert ops.count("GRAPH") == MOE["n_layer"] + 1
-    assert ops[1:5] == ["GRAPH", "MUL_MAT_ID+GLU", "MUL_MAT_ID+MOE_COMBINE", "GRAPH"]
+    assert ops[1:5] == ["GRAPH", "MUL_MAT_ID_GLU", "MUL_MAT_ID+MOE_COMBINE", "GRAPH"]
 
 
 @pytest.mark.parametrize("slots", [1] if cuda_setup.SIM else [1, 3])
@@ -260,10 +260,11 @@ def test_offload_thresholds(model):
 
 
 def test_offload_policy_switches(model):
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="MUL_MAT_ID,0")
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"],
+               offload_policy="MUL_MAT_ID,0,MUL_MAT_ID_GLU,0")
     g = llm.plan(64, 0).graph
     assert {n.backend for n in g.nodes if n.op == "MUL_MAT_ID"} == {"CPU"}
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="-1,0,MUL_MAT_ID,1")
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="-1,0,MUL_MAT_ID,1,16,1")
     g = llm.plan(64, 0).graph
     assert {n.cause for n in g.nodes if n.op == "MUL_MAT_ID"} == {"off"}
 
@@ -286,6 +287,67 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
         assert llm.backends["CUDA0"].prefetched_uploads == llm.cfg.n_layer * 3
     else:
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
+
+
+def test_fused_moe_op_switch(model):
+    """-fmoe 1: the experts' gate and up (MUL_MAT_ID_GLU, op id 16) have an -op switch of
+    their own, at the expert threshold: off, they stay on the CPU for a batch of 64 while the
+    down product is offloaded, and --explain names the op. -fmoe 0: MUL_MAT_ID's switch."""
+    import io
+
+    from rich.console import Console
+
+    from nbmoe.model.graph import OPS
+    from nbmoe.sched.explain import schedule_table
+    fid = OPS.index("MUL_MAT_ID_GLU")
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy=f"{fid},0")
+    nodes = llm.plan(64, 0).graph.nodes
+    fused = [n for n in nodes if n.policy_op == "MUL_MAT_ID_GLU"]
+    assert len(fused) == 3 * MOE["n_layer"] and {n.backend for n in fused} == {"CPU"}
+    assert {n.cause for n in nodes if n.op == "MUL_MAT_ID" and n.policy_op == "MUL_MAT_ID"} == {"off"}
+    out = io.StringIO()
+    Console(file=out, width=300, color_system=None).print(schedule_table(llm, [64]))
+    assert "MUL_MAT_ID x2" in out.getvalue() and "MUL_MAT_ID_GLU: CPU/wgt x2" in out.getvalue()
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy=f"{fid},0",
+               fused_moe=False)
+    assert {n.cause for n in llm.plan(64, 0).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
+
+
+def test_fused_moe_switch_on_gpu(whole, monkeypatch):
+    """On the GPU's int8 path, -fmoe 1 binds the experts' gate, up and GLU to one fused kernel
+    (glu_id) and -fmoe 0 to three: the logits of a one-token step equal each other and the
+    float64 reference's (cosine, as tests/test_models.py's int8 path)."""
+    from nbmoe.cuda import matmul as cuda_matmul
+    from nbmoe.model import reference
+    monkeypatch.setattr(cuda_matmul, "INT8_DOT", True)
+    out = {}
+    for fused in (True, False):
+        llm = load(whole, n_gpu_layers=99, fused_moe=fused)
+        out[fused] = llm.eval([1])[0]
+        assert ("glu_id" in {k for k, _ in llm.backends["CUDA0"]._groups.values()}) == fused
+    assert close(out[True], out[False], 1e-5)
+    want = reference.forward(llm.cfg, llm.file.tensors, [1])[0]      # (x rounded to 8 bits)
+    assert out[True] @ want / (np.linalg.norm(out[True]) * np.linalg.norm(want)) >= 0.999
+
+
+def test_upload_all_experts(tiny_model, monkeypatch):
+    """--upload-all-experts: an offloaded expert product uploads whole tensors, not only the
+    chosen experts; on a skewed router (half the experts never chosen) that is more bytes
+    for the same logits."""
+    from nbmoe.backends import cuda as backend_cuda
+    monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)      # experts offloaded from 2 rows
+    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 10**6)
+    skewed = tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0",
+                        router_skew=0.5)
+    ids, out = [3, 44], {}
+    for every in (False, True):
+        llm = load(skewed, n_gpu_layers=99, override_tensors=["exps=CPU"], upload_all_experts=every)
+        out[every] = llm.eval(ids), llm.backends["CUDA0"].uploaded_bytes
+        assert {n.cause for n in llm.plan(2, 2).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
+    assert close(out[True][0], out[False][0], 1e-6)
+    # (both also upload the output matrix) the two rare experts of 4 never went up
+    exps = sum(t.n_bytes for n, t in llm.weights.items() if "_exps." in n)
+    assert out[True][1] - out[False][1] == exps // 2
 
 
 DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=64)

@@ -391,3 +391,28 @@ def test_bench_kernels_keeps_each_cases_best_over_rounds(capsys):
     for r in got["rows"]:
         assert r["rel_err"] < 1.5e-2 and r["gbs"] > 0
         assert abs(r["ratio"] - r["gbs"] / got["read_bw_gbs"]) < 1e-9
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])   # no router bias; a router bias
+def test_router_skew(tiny_model, monkeypatch, arch):
+    """--router-skew 0.75: over 64 random tokens, each MoE layer chooses at most about a
+    quarter of its 16 experts (as the float64 reference routes them); a random router
+    (skew 0) chooses most of them."""
+    from nbmoe.model import reference
+    chosen, route = [], reference.route
+
+    def spy(*a, **k):
+        top, w = route(*a, **k)
+        chosen.append(top)
+        return top, w
+    monkeypatch.setattr(reference, "route", spy)
+    E, used = 16, {}
+    for skew in (0.0, 0.75):
+        cfg, ts = reference.load(tiny_model(arch, n_expert=E, router_skew=skew))
+        tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, 64)
+        chosen.clear()
+        reference.forward(cfg, ts, tokens)
+        used[skew] = [len(np.unique(top)) for top in chosen]          # per layer
+        assert len(used[skew]) == cfg.n_layer
+    assert all(n <= E // 4 + 1 for n in used[0.75]), used
+    assert all(n >= 3 * E // 4 for n in used[0.0]), used

@@ -29,6 +29,7 @@ from gguf.quants import quantize
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the reference quantizers
 import ref_quant  # noqa: E402
 import ref_quant_iq  # noqa: E402
+from router_skew import RouterSkew  # noqa: E402
 
 from nbmoe.loader.default_model import dense_smollm2_path  # noqa: E402
 from nbmoe.errors import NbmoeError  # noqa: E402
@@ -365,7 +366,8 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
                n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
                default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
                rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, mla=None, name=None,
-               seed=0, n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False):
+               seed=0, n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False,
+               router_skew=0.0):
     """Write a random-weight GGUF of architecture arch to path; returns path.
 
     gpt-oss: sliding_window (tokens, on the even layers; required), yarn = (factor, original
@@ -379,6 +381,8 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     types: ordered [(regex, type name)] matched with re.search on tensor names, first match
     wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
     ~300-token synthetic one); n_vocab: embedding rows, >= the tokenizer's size (padded).
+    router_skew: the share of each MoE layer's experts that the router almost never chooses
+    (tools/router_skew.py); 0 = a random router.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch '{arch}' (known: {', '.join(ARCHS)})")
@@ -434,6 +438,8 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
         print(f"make_model: rows too short for {old}'s blocks are {new} (as llama.cpp's quantizer)",
               file=sys.stderr)
 
+    skew = RouterSkew(router_skew, n_expert, n_expert_used, {t[0]: t[1] for t in typed}, seed,
+                      QUANTIZERS) if router_skew else None
     w = GGUFWriter(path, arch)
     w.add_name(name or f"nbmoe random {arch}")
     ftype = "ALL_F32" if default_type == "F32" else "MOSTLY_" + default_type
@@ -505,6 +511,8 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
                 data = (mean + BIAS_STD[role] * rng.standard_normal(shape)).astype(np.float32)
             else:
                 data = pool.matrix(shape, type_name, 1 / math.sqrt(shape[-1]))
+            if skew is not None:
+                data = skew.apply(tname, data, type_name)
             w.write_tensor_data(data)
     finally:
         w.close()
@@ -533,6 +541,9 @@ def main(argv=None):
                     help="change one of the preset's shape keys (n_embd, n_ff, n_head, "
                          "n_head_kv, head_dim, n_expert, n_expert_used, n_ff_exp, n_vocab, ...)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    ap.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                    help="share (0..1) of each MoE layer's experts that the router almost never "
+                         "chooses, as trained routers (default: 0, a random router)")
     ap.add_argument("-o", "--output", default=None,
                     help="output file (default: PRESET-LLAYERS.gguf)")
     args = ap.parse_args(argv)
@@ -581,7 +592,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         make_model(out, arch, types=types, default_type=default_type, vocab_from=vocab_from,
-                   seed=args.seed, name=f"nbmoe random {args.preset}", **shape)
+                   seed=args.seed, name=f"nbmoe random {args.preset}",
+                   router_skew=args.router_skew, **shape)
     except ValueError as e:
         sys.exit(f"make_model: {e}")
     size = os.path.getsize(out)

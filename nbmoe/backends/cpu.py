@@ -290,7 +290,7 @@ class CPUBackend(Backend):
         step = mm.expert_item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype)
         int8 = mm._int8(qtype)
         return [None, None, _labelled(
-            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID+GLU")]
+            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
         down, combine = members

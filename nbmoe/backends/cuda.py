@@ -4,7 +4,9 @@ those that save launches (8-bit x handed on, fused groups) are in cuda_fusion.py
 Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
 each run into a scratch buffer; for expert products only the experts the router chose are
-uploaded (their ids come to the host first, a few bytes). PCIe runs several times faster
+uploaded (their ids come to the host first, a few bytes), unless the batch makes them all
+likely chosen or --upload-all-experts asks for whole tensors (PrefetchChain); uploaded_bytes
+counts what went up. PCIe runs several times faster
 from page-locked than from pageable memory, so on first use the span of the file mapping
 that holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads
 then read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
@@ -102,6 +104,7 @@ class PrefetchChain:
         slot[:host.nbytes].copy_to_device(host.reshape(-1), stream=self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
         self.backend.prefetched_uploads += 1
+        self.backend.uploaded_bytes += host.nbytes
 
     def wait(self, i):
         """The device copy of tensor i, once the compute stream has waited for its upload."""
@@ -146,8 +149,10 @@ class _OnStream:
 class CUDABackend(FusionBinders, Backend):
     positions_on_device = True   # attention reads positions from the pos buffer (graphs)
 
-    def __init__(self, name, tensors, resident, in_ram=(), zero_copy=(), flash_attn="auto"):
+    def __init__(self, name, tensors, resident, in_ram=(), zero_copy=(), flash_attn="auto",
+                 upload_all=False):
         super().__init__(tensors, flash_attn)
+        self.upload_all = upload_all    # --upload-all-experts: offloaded experts go up whole
         from numba import cuda
 
         from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, ops, x8
@@ -175,6 +180,7 @@ class CUDABackend(FusionBinders, Backend):
         self.pinned = {}
         self.scratch = {}
         self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (PrefetchChain)
+        self.uploaded_bytes = 0         # RAM weight bytes uploaded for offloaded products
         self.pin = config.PIN
         with progress.task(f"uploading weights to {name}", sum(tensors[n].n_bytes for n in resident)) as advance:
             for n in resident:
@@ -355,6 +361,7 @@ class CUDABackend(FusionBinders, Backend):
 
         def run():
             w.copy_to_device(host)
+            self.uploaded_bytes += host.nbytes
             mm.mul_mat(out, w, x, qtype)
         return run
 
@@ -368,8 +375,9 @@ class CUDABackend(FusionBinders, Backend):
         out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])
-        if ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]:
-            # every expert is (almost surely) chosen: upload them all, ahead of time
+        if self.upload_all or ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]:
+            # every expert is (almost surely) chosen, or --upload-all-experts: upload them
+            # all, ahead of time
             chain = getattr(buf, "prefetch_chain", None)      # one chain per plan
             if chain is None:
                 chain = buf.prefetch_chain = PrefetchChain(self)
@@ -390,6 +398,7 @@ class CUDABackend(FusionBinders, Backend):
             used = np.unique(ids_host)                             # upload only chosen experts
             for j, a, b in _runs(used):                            # consecutive ids: one copy
                 w_all[j:j + b - a].copy_to_device(host[a:b])
+                self.uploaded_bytes += host[a:b].nbytes
             local_ids.copy_to_device(np.searchsorted(used, ids_host).astype(np.int32))
             self.last_uploaded = len(used)
             mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)

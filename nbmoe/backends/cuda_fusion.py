@@ -161,7 +161,7 @@ class FusionBinders:
         def run():
             xq, xds = x8()
             fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act)
-        return [None, None, _labelled(run, "MUL_MAT_ID+GLU")]
+        return [None, None, _labelled(run, "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
         down, combine = members[:2]

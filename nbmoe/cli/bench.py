@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, mpi_ranks, resolve_model)
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+                              mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, gpu_info, human, int_list, load_config, model_facts,
                                parse_lists, print_json_csv, table_console)
 
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     add_repack_arg(p, lists=True)
     add_flash_attn_arg(p, lists=True)
     add_placement_args(p, lists=True)
+    add_moe_args(p, lists=True)
     args = p.parse_args(argv)
     parse_lists(p, args)
     if not any(args.n_prompt + args.n_gen):
@@ -117,10 +119,11 @@ def main(argv=None):
                     if args.output == "md":
                         err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
                                           f"zce={rows[-1]['zero_copy_experts']} fa={llm.flash_attn} "
+                                          f"fmoe={c['fmoe']} uae={c['uae']} "
                                           f"t={threads}: {rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
-        print_rows(rows, args.output, facts)
+        print_rows(rows, args.output, facts, args)
 
 
 def tests(args):
@@ -175,6 +178,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
+        fused_moe=int(llm.fused_moe), upload_all_experts=int(llm.upload_all_experts),
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
@@ -187,7 +191,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
     )
 
 
-def print_rows(rows, fmt, facts):
+def print_rows(rows, fmt, facts, args=None):
     if fmt in ("json", "csv"):
         print_json_csv(rows, fmt)
         return
@@ -196,9 +200,10 @@ def print_rows(rows, fmt, facts):
     show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
     show_zce = any(r["zero_copy_experts"] for r in rows)
     show_fa = any(r["flash_attn_given"] for r in rows)        # -fa given: its column
+    show_fmoe, show_uae = getattr(args, "show_fmoe", False), getattr(args, "show_uae", False)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
         "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + (
-        ["fa"] if show_fa else []) + [
+        ["fa"] if show_fa else []) + (["fmoe"] if show_fmoe else []) + (["uae"] if show_uae else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -216,7 +221,9 @@ def print_rows(rows, fmt, facts):
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
                       *([str(int(r["repack"]))] if show_rtr else []),
                       *([str(r["zero_copy_experts"])] if show_zce else []),
-                      *([r["flash_attn"]] if show_fa else []), test,
+                      *([r["flash_attn"]] if show_fa else []),
+                      *([str(r["fused_moe"])] if show_fmoe else []),
+                      *([str(r["upload_all_experts"])] if show_uae else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     table_console().print(table)
     print(f"weights read per generated token: {facts['bytes_per_token'] / 2**20:.1f} MiB "

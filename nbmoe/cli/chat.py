@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, loading, mpi_ranks, placement_kwargs,
-                              resolve_model, warm_up)
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+                              loading, mpi_ranks, placement_kwargs, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
 HELP = """commands:
@@ -45,6 +45,7 @@ def parse_args(argv=None):
     add_repack_arg(p)
     add_flash_attn_arg(p)
     add_placement_args(p)
+    add_moe_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     args.threads = check_threads(p, args.threads)

@@ -23,10 +23,16 @@ def int_list(s):
 
 
 def parse_lists(p, args):
-    """The comma lists of -ngl -ub -rtr -zce -fa (and -t) checked, as args.<name>_list; one
+    """The comma lists of -ngl -ub -rtr -zce -fa -fmoe --upload-all-experts (and -t) checked, as args.<name>_list; one
     line and exit 2 for a bad value."""
+    # -fmoe / --upload-all-experts: a table column only when given (as llama-bench's)
+    args.show_fmoe = getattr(args, "fused_moe", None) is not None
+    args.show_uae = getattr(args, "upload_all_experts", None) is not None
+    args.fused_moe = "1" if getattr(args, "fused_moe", None) is None else args.fused_moe
+    args.upload_all_experts = "0" if getattr(args, "upload_all_experts", None) is None else args.upload_all_experts
     lists = {dest: int_list_arg(p, dest, getattr(args, dest))
-             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack")}
+             for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack", "fused_moe",
+                          "upload_all_experts")}
     try:
         lists["zero_copy_experts"] = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",")
                                       if v.strip()]
@@ -38,13 +44,16 @@ def parse_lists(p, args):
                                                   lists["zero_copy_experts"])
     args.rtr_list = [bool(v) for v in lists["run_time_repack"]]
     args.fa_list = flash_attn_list(p, args.flash_attn)
+    args.fmoe_list, args.uae_list = lists["fused_moe"], lists["upload_all_experts"]
 
 
 def configs(args):
-    """Every combination of the lists, one model load each: dicts of ngl, ub, rtr, zce, fa."""
-    keys = ("ngl", "ub", "rtr", "zce", "fa")
+    """Every combination of the lists, one model load each: dicts of ngl, ub, rtr, zce, fa,
+    fmoe, uae."""
+    keys = ("ngl", "ub", "rtr", "zce", "fa", "fmoe", "uae")
     return [dict(zip(keys, c)) for c in itertools.product(
-        args.ngl_list, args.ub_list, args.rtr_list, args.zce_list, args.fa_list)]
+        args.ngl_list, args.ub_list, args.rtr_list, args.zce_list, args.fa_list, args.fmoe_list,
+        args.uae_list)]
 
 
 def load_config(path, args, c, n_ctx, threads, quiet=False):
@@ -52,7 +61,7 @@ def load_config(path, args, c, n_ctx, threads, quiet=False):
     from nbmoe.engine import load
     with loading(f"loading {path}"):
         llm = load(path, n_ctx=n_ctx, threads=threads, n_ubatch=c["ub"], repack=c["rtr"],
-                   **placement_kwargs(args, c["ngl"], c["zce"], c["fa"]))
+                   **placement_kwargs(args, c["ngl"], c["zce"], c["fa"], c["fmoe"], c["uae"]))
     if llm.repack_stats and not quiet:
         s = llm.repack_stats
         err_console.print(f"  -rtr: {s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB "

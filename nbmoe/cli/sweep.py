@@ -21,8 +21,9 @@ import numpy as np
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_placement_args, add_repack_arg,
-                              err_console, friendly_errors, mpi_ranks, resolve_model)
+from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+                              mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, int_list, load_config, model_facts, parse_lists,
                                print_json_csv, table_console)
 from nbmoe.errors import NbmoeError
@@ -51,6 +52,7 @@ def parse_args(argv=None):
                    help="print where every tensor lives, the schedule and the attention kernels")
     add_repack_arg(p, lists=True)
     add_flash_attn_arg(p, lists=True)
+    add_moe_args(p, lists=True)
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
     if args.plot_from is not None:
@@ -98,7 +100,8 @@ def run_label(args, c, threads, llm):
     """--label (else the model file's name), plus the flags whose lists hold several values."""
     varying = [(f"-ngl {c['ngl']}", args.ngl_list), (f"-ub {c['ub']}", args.ub_list),
                (f"-rtr {int(c['rtr'])}", args.rtr_list), (f"-zce {c['zce']}", args.zce_list),
-               (f"-fa {llm.flash_attn}", args.fa_list), (f"-t {threads}", args.threads or [])]
+               (f"-fa {llm.flash_attn}", args.fa_list), (f"-fmoe {c['fmoe']}", args.fmoe_list),
+               (f"--upload-all-experts {c['uae']}", args.uae_list), (f"-t {threads}", args.threads or [])]
     base = args.label or os.path.splitext(os.path.basename(llm.path))[0]
     return " ".join([base] + [flag for flag, values in varying if len(values) > 1])
 

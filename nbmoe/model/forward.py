@@ -12,8 +12,9 @@ from nbmoe.errors import NbmoeError
 from nbmoe.model.graph import Graph
 
 
-def build_graph(cfg, n_tokens, n_logits, output_weight):
-    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows."""
+def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True):
+    """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
+    fused_moe (-fmoe): the experts' gate, up and GLU form one op, MUL_MAT_ID_GLU (moe_ffn)."""
     T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T)
@@ -26,7 +27,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight):
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
         if cfg.is_moe_layer(il):
-            moe_ffn(g, cfg, p, T)
+            moe_ffn(g, cfg, p, T, fused_moe)
         else:
             dense_ffn(g, cfg, p, T, cfg.n_ff, "", "ffn_out")
         if f.post_norms:
@@ -117,9 +118,11 @@ def dense_ffn(g, cfg, p, T, F, suffix, out):
     g.add_node("MUL_MAT", out, (T, cfg.n_embd), [gate], p + f"ffn_down{suffix}.weight")
 
 
-def moe_ffn(g, cfg, p, T):
+def moe_ffn(g, cfg, p, T, fused=True):
     """Router -> gating -> top-k (-> renormalise, scale) -> GLU experts -> weighted sum
-    [+ shared experts]."""
+    [+ shared experts]. fused: the gate, up and GLU nodes are marked as one op,
+    MUL_MAT_ID_GLU (params fused_op), which the backends bind as one fused kernel where they
+    have it (fusion.py); experts with gate / up biases stay three ops."""
     E, A, D, F = cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     _linear(g, cfg, p, "ffn_gate_inp", "router", (T, E), "h")                          # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
@@ -135,6 +138,9 @@ def moe_ffn(g, cfg, p, T):
     product("ffn_gate_exps", "exp_gate", (T, A, F), "h")                                 # [T, A, F]
     product("ffn_up_exps", "exp_up", (T, A, F), "h")
     g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.glu)
+    if fused and not (cfg.has("ffn_gate_exps.bias") or cfg.has("ffn_up_exps.bias")):
+        for n in g.nodes[-3:]:
+            n.params["fused_op"] = "MUL_MAT_ID_GLU"
     product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate")                          # [T, A, D]
     g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])         # [T, D]
     if cfg.n_shared_expert:

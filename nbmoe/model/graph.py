@@ -28,6 +28,9 @@ OPS = (
     "SIGMOID_MUL",   # x * sigmoid(g), g one value a row (shared expert's gate)
     "SLICE",         # out[.., h, cols] = src[.., h (or its one head), cols]: MLA's head parts
     "MUL_MAT_HEADS", # out[t, h] = W[h] @ x[t, h]: one matrix per head (MLA's k_b, v_b)
+    # act(x @ Wgate[e]^T) * (x @ Wup[e]^T): the experts' gate, up and GLU as one op (-fmoe 1).
+    # Its three nodes carry params fused_op; -op and --explain see them as this op.
+    "MUL_MAT_ID_GLU",
 )
 MATRIX_OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID", "MUL_MAT_HEADS")
 
@@ -48,6 +51,11 @@ class Node:
     params: dict = field(default_factory=dict)
     backend: str = "CPU"            # set by the scheduler
     cause: str = ""                 # why it runs there, for --explain
+
+    @property
+    def policy_op(self):
+        """The op -op and --explain name it by: a fused op's (MUL_MAT_ID_GLU), else its own."""
+        return self.params.get("fused_op", self.op)
 
     @property
     def outs(self):

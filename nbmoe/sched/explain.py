@@ -51,10 +51,16 @@ def schedule_table(llm, batches):
     for n in batches:
         plan = llm.plan(n, 1)
         count = Counter((node.backend, node.cause) for node in plan.graph.nodes)
-        offl = Counter(node.op for node in plan.graph.nodes if node.cause == "off")
+        offl = Counter(op for op, _ in {_op_instance(node) for node in plan.graph.nodes
+                                         if node.cause == "off"})
         nodes = ", ".join(f"{b}/{c}: {k}" for (b, c), k in sorted(count.items()))
         if offl:
-            nodes += " | offloaded: " + ", ".join(f"{op} x{k}" for op, k in offl.items())
+            nodes += " | offloaded: " + ", ".join(f"{op} x{k}" for op, k in sorted(offl.items()))
+        fused = Counter((b, c) for _, b, c in {(_op_instance(n)[1], n.backend, n.cause)
+                                               for n in plan.graph.nodes
+                                               if n.policy_op != n.op and n.weight})
+        if fused:
+            nodes += " | MUL_MAT_ID_GLU: " + ", ".join(f"{b}/{c} x{k}" for (b, c), k in sorted(fused.items()))
         zc = [node for node in plan.graph.nodes if node.cause == "zc" and node.op == "MUL_MAT_ID"]
         if zc:
             nodes += (f" | GPU reads in place: {len({n.weight for n in zc})} expert tensors, "
@@ -64,6 +70,14 @@ def schedule_table(llm, batches):
                   f"{len(plan.copies)}" + (f" ({mapped} mapped)" if mapped else ""),
                   f"{plan.copy_bytes / 2**20:.2f}", nodes)
     return t
+
+
+def _op_instance(node):
+    """(op name, what tells its instances apart): a fused op's nodes (MUL_MAT_ID_GLU: gate and
+    up) count once per layer, any other node once per weight."""
+    if node.policy_op != node.op:
+        return node.policy_op, node.weight.split(".")[1] if node.weight else None
+    return node.op, node.weight
 
 
 def unfused_lines(llm, batches):

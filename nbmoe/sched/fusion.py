@@ -7,6 +7,7 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   products      2-3 MUL_MAT of one input, weights of one type (q, k, v)          T = 1
   glu           MUL_MAT gate, MUL_MAT up (one input), GLU of the two              T = 1
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
+                (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e. -fmoe 1)
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
@@ -114,6 +115,7 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
     # gate, up, GLU (dense or experts)
     for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
         if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
+                and (op == "MUL_MAT" or n0.params.get("fused_op") == "MUL_MAT_ID_GLU")
                 and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
             return kind, [n0, n1, n2]
     # products of one input
@@ -257,7 +259,8 @@ def _moe_block(run, product, wtype):
     down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
     comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
     if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))
-            or wtype(gate) != wtype(up) or "slots" in gate.params):   # the kernel takes all slots
+            or wtype(gate) != wtype(up) or "slots" in gate.params   # the kernel takes all slots
+            or gate.params.get("fused_op") != "MUL_MAT_ID_GLU"):     # -fmoe 0: three ops
         return 0
     w.norm_in_place(comb.out)
     w.take("ADD", (x, comb.out), x)

@@ -60,7 +60,8 @@ MAPPED_MAX_BYTES = 64 << 10
 @dataclass
 class OffloadPolicy:
     """Which op types may run on a GPU with a weight that lives in RAM (-op)."""
-    enabled: dict = field(default_factory=lambda: {op: True for op in ("MUL_MAT", "MUL_MAT_ID")})
+    enabled: dict = field(default_factory=lambda: {op: True for op in (
+        "MUL_MAT", "MUL_MAT_ID", "MUL_MAT_ID_GLU")})
 
     @classmethod
     def parse(cls, spec):
@@ -86,12 +87,13 @@ class OffloadPolicy:
         return pol
 
     def min_batch(self, op, cfg):
-        if op == "MUL_MAT_ID":   # each expert sees about T * A / E rows of the batch
+        if op in ("MUL_MAT_ID", "MUL_MAT_ID_GLU"):   # each expert sees about T * A / E rows
             return OFFLOAD_MIN_BATCH * cfg.n_expert // max(1, cfg.n_expert_used)
         return OFFLOAD_MIN_BATCH
 
     def offload(self, node, n_tokens, cfg):
-        return self.enabled.get(node.op, False) and n_tokens >= self.min_batch(node.op, cfg)
+        op = node.policy_op        # the gate and up of a fused MUL_MAT_ID_GLU: that op's switch
+        return self.enabled.get(op, False) and n_tokens >= self.min_batch(op, cfg)
 
 
 @dataclass
