@@ -66,7 +66,7 @@ EP_TIMEOUT = env_int("NBMOE_EP_TIMEOUT", 60)
 EP_START_TIMEOUT = env_int("NBMOE_EP_START_TIMEOUT", 600)
 # A rank waiting for a message polls without pause this long, then sleeps between polls, from
 # EP_PAUSE[0] doubling to EP_PAUSE[1] seconds (MPI's blocking waits spin a core at 100 %).
-EP_SPIN_S = 1e-3
+EP_SPIN_S = 0.05
 EP_PAUSE = (5e-5, 2e-3)
 
 # ---- CUDA: fallbacks for a driver that refuses a feature

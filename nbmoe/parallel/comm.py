@@ -15,6 +15,7 @@ message's size, and waits for it without spinning; the sums come back one receiv
 MPI's blocking waits spin a core, so every wait here polls, then sleeps between polls
 (config.EP_SPIN_S, EP_PAUSE): a rank idles while a chat's user types.
 """
+import os
 import time
 
 import numpy as np
@@ -49,6 +50,8 @@ def poll(test, timeout=None):
         if now > spin_until:
             time.sleep(pause)
             pause = min(2 * pause, config.EP_PAUSE[1])
+        else:
+            os.sched_yield()        # spinning, but a rank sharing the core runs first
     return True
 
 
