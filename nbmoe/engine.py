@@ -36,16 +36,24 @@ ZERO_COPY_SHARE = 3 / 8
 
 
 class _State:
-    """What changes between runs of a bound graph: where in the cache this batch starts."""
+    """What changes between runs of a bound graph: the cache (the active slot's) and where
+    in it this batch starts. The bound steps read both at run time."""
 
     def __init__(self, kv):
         self.kv, self.pos0 = kv, 0
 
 
+class Slot:
+    """One sequence of a shared engine: its part of the KV cache and the tokens it holds."""
+
+    def __init__(self, kv):
+        self.kv, self.tokens = kv, []
+
+
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto"):
+                 zero_copy_experts="auto", n_slots=1):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -87,9 +95,14 @@ class LLM:
         kv_role = "attn_kv_a_mqa" if self.cfg.is_mla else "attn_q"     # where the layer's keys are made
         kv_place = [self.placement[f"blk.{il}.{kv_role}.weight"][0] for il in range(self.cfg.n_layer)]
         self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
-        self.n_ctx = n_ctx
-        self.state = _State(self.kv)
-        self.tokens = []            # token ids whose keys/values are in the cache
+        # n_slots sequences share the cache, n_ctx // n_slots positions each (use_slot)
+        self.slots = [Slot(view) for view in self.kv.slot_views(max(1, int(n_slots)))]
+        self.n_ctx = self.slots[0].kv.n_ctx     # a sequence's context
+        self.slot = 0
+        self.state = _State(self.slots[0].kv)
+        # a recorded CUDA graph holds the cache's addresses: one plan per slot then
+        self._plan_per_slot = len(self.slots) > 1 and any(
+            getattr(getattr(be, "graphs", None), "ENABLED", False) for be in self.backends.values())
         self._plans = {}
         self.last_stats = {}
 
@@ -172,14 +185,30 @@ class LLM:
     def detokenize(self, ids):
         return self.tokenizer.decode(list(ids))
 
+    # ---- slots --------------------------------------------------------------------------
+    @property
+    def tokens(self):
+        """Token ids whose keys/values are in the active slot's cache."""
+        return self.slots[self.slot].tokens
+
+    @tokens.setter
+    def tokens(self, ids):
+        self.slots[self.slot].tokens = list(ids)
+
+    def use_slot(self, i):
+        """Make slot i the active sequence: eval / generate continue its cache and tokens."""
+        if not 0 <= i < len(self.slots):
+            raise NbmoeError(f"slot {i} does not exist (the engine has {len(self.slots)})")
+        self.slot, self.state.kv = i, self.slots[i].kv
+
     # ---- evaluation ---------------------------------------------------------------------
     def reset(self):
-        """Empty the KV cache."""
+        """Empty the active slot's KV cache."""
         self.tokens = []
 
     def plan(self, n_tokens, n_logits):
         share = self.zce_share if n_tokens == 1 else 0
-        key = (n_tokens, n_logits, share)
+        key = (n_tokens, n_logits, share, self.slot if self._plan_per_slot else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
             if share:       # -zce: a GPU computes part of each layer's chosen experts
@@ -239,8 +268,12 @@ class LLM:
         """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""
         return self._decode(ids, all_logits=True)
 
+    def eval_last(self, ids):
+        """Logits [n_vocab] of the last of `ids` only, appended after the cached tokens."""
+        return self._decode(ids, all_logits=False)
+
     # ---- generation ---------------------------------------------------------------------
-    def _reuse_prefix(self, ids):
+    def reuse_prefix(self, ids):
         """Keep the cached tokens that `ids` starts with; return the ids still to evaluate."""
         n = 0
         limit = min(len(self.tokens), len(ids) - 1)   # always evaluate at least one token
@@ -259,7 +292,7 @@ class LLM:
         stop = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         prompt_ids = list(prompt_ids)
         t0 = time.perf_counter()
-        todo = self._reuse_prefix(prompt_ids)
+        todo = self.reuse_prefix(prompt_ids)
         logits = self._decode(todo, all_logits=False)
         t1 = time.perf_counter()
         stats = self.last_stats = dict(n_prompt=len(todo), t_prompt=t1 - t0, n_gen=0, t_gen=0.0,
@@ -318,7 +351,7 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
+def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slots=1, **placement):
     """Open a GGUF model; without a path, the default model (SmolLM2-135M-Instruct upcycled
     to 8 experts, built into the cache on first use: loader/default_model.py). n_ctx: 0 = the
     model's training context. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K /
@@ -328,8 +361,10 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **plac
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
     computes, reading the weights in place over PCIe while the CPU computes the others;
     "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
-    a layer whose experts are in RAM; 0 = none)."""
+    a layer whose experts are in RAM; 0 = none). n_slots: sequences that share the cache,
+    n_ctx // n_slots positions each (llm.use_slot(i) picks the one eval/generate continue)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()
-    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack,
+               n_slots=n_slots, **placement)

@@ -54,6 +54,15 @@ def close(a, b, rel=2e-4):
     return np.abs(a - b).max() <= rel * np.abs(b).max()
 
 
+def test_slots_on_the_gpu(whole):
+    """Slots are views of each layer's one device array; the GPU's bound steps read the
+    active slot's at run time."""
+    from test_api import interleaved_equals_alone
+    llm = load(whole, n_gpu_layers=99, n_slots=2)
+    assert llm.kv.backends == ["CUDA0"]
+    interleaved_equals_alone(llm, [1, 17], [3, 5], chunk=1)
+
+
 @pytest.mark.parametrize("placement", [
     dict(n_gpu_layers=99),                                   # everything on the GPU
     dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM (-zce auto: 1 of 2 on the GPU)
