@@ -51,7 +51,7 @@ def main(argv=None):
         warm_up(llm)
         app = create_app(llm, alias=args.alias, api_key=args.api_key)
         err_console.print(f"[bold]nbmoe[/] serving {llm.cfg.arch} model {path} on "
-                          f"http://{args.host}:{args.port}/v1 ({len(llm.slots)} slots of "
+                          f"http://{args.host}:{args.port}/v1 ({len(llm.slots)} slot(s) of "
                           f"{llm.n_ctx} tokens)")
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
