@@ -170,3 +170,66 @@ def test_bad_model_file_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "nbmoe.server", "-m", str(bad)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- the parts without a server: stop strings, the worker's reply text ----------------------
+
+def test_stop_strings_are_held_back():
+    from nbmoe.server.stops import StopScanner
+    s = StopScanner(["</s>", "STOP"])
+    assert s.push("Hello <") == ("Hello ", False)      # "<" may begin "</s>"
+    assert s.push("/x") == ("</x", False)
+    assert s.push("ST") == ("", False) and s.held == "ST"
+    assert s.push("OP and more") == ("", True)
+    t = StopScanner(["STOP"])
+    assert t.push("a ST") == ("a ", False) and t.flush() == "ST"       # the end releases it
+
+
+class ScriptedEngine:
+    """Stands in for the engine in SlotWorker: its logits pick the ids of a fixed reply."""
+
+    def __init__(self, tokenizer, reply):
+        from types import SimpleNamespace
+        self.tokenizer, self.n_ctx, self.n_ubatch = tokenizer, 4096, 512
+        self.reply_ids, self.slots, self.slot = tokenizer.encode(reply), [SimpleNamespace(tokens=[])], 0
+        self.step = 0
+
+    tokens = property(lambda self: self.slots[self.slot].tokens)
+
+    def use_slot(self, i):
+        self.slot = i
+
+    def reuse_prefix(self, ids):
+        self.slots[self.slot].tokens, self.step = [], 0
+        return ids
+
+    def eval_last(self, ids):
+        import numpy as np
+        self.tokens.extend(ids)
+        logits = np.zeros(len(self.tokenizer.tokens), np.float32)
+        logits[self.reply_ids[self.step]] = 1.0
+        self.step += 1
+        return logits
+
+
+@pytest.mark.parametrize("stop,text", [([], "Six — ünïcödé 😀."), (["ünï", "zz"], "Six — ")])
+def test_worker_answers_with_the_final_channel(stop, text):
+    """gpt-oss: the reasoning is not the answer; a stop string inside the answer cuts it."""
+    from test_harmony import REPLY, harmony_tokenizer
+    from nbmoe.server.protocol import Request, SamplingParams
+    from nbmoe.server.slots import Job, SlotWorker
+    engine = ScriptedEngine(harmony_tokenizer(), REPLY)
+    events, done = [], threading.Event()
+    req = Request(chat=True, model=None, prompt_ids=[1, 2, 3], stop=stop,
+                  sampling=SamplingParams(temperature=0))
+
+    def emit(ev):
+        events.append(ev)
+        if ev[0] != "text":
+            done.set()
+    worker = SlotWorker(engine)
+    worker.submit(Job(req, emit))
+    assert done.wait(10)
+    worker.close()
+    assert "".join(e[1] for e in events if e[0] == "text") == text
+    assert events[-1][:2] == ("done", "stop")

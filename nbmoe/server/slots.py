@@ -28,7 +28,7 @@ SIMILARITY = 0.5
 
 class Job:
     def __init__(self, req, emit):
-        self.ids, self.max_tokens, self.emit = list(req.prompt_ids), req.max_tokens, emit
+        self.ids, self.max_tokens, self._emit = list(req.prompt_ids), req.max_tokens, emit
         self.sampler = Sampler(req.sampling)
         self.chat = req.chat
         self.stops = StopScanner(req.stop)
@@ -42,6 +42,12 @@ class Job:
 
     def cancel(self):
         self.cancelled = True
+
+    def emit(self, event):
+        try:
+            self._emit(event)
+        except RuntimeError:        # its consumer's event loop is closed (the server stops)
+            self.cancelled = True
 
 
 def common_prefix(a, b):
