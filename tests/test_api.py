@@ -62,17 +62,8 @@ def test_load_keeps_numpys_blas_to_one_thread(llm):
 
 # ---- slots: sequences that share one cache -----------------------------------------------
 
-def interleaved_equals_alone(llm, a, b, chunk):
-    """Sequences a and b fed `chunk` tokens at a time, in turns on slots 0 and 1, give the
-    logits (bit for bit) that each gives fed alone in the same chunks."""
-    def feed(seq, slot, start):
-        llm.use_slot(slot)
-        return llm.eval(seq[start:start + chunk])
-    alone = []
-    for seq in (a, b):
-        llm.use_slot(0)
-        llm.reset()
-        alone.append(np.concatenate([feed(seq, 0, i) for i in range(0, len(seq), chunk)]))
+def interleaved(llm, a, b, chunk):
+    """The logits of sequences a and b fed `chunk` tokens at a time, in turns on slots 0 and 1."""
     for slot in (0, 1):
         llm.use_slot(slot)
         llm.reset()
@@ -80,16 +71,25 @@ def interleaved_equals_alone(llm, a, b, chunk):
     for i in range(0, max(len(a), len(b)), chunk):
         for slot, seq in enumerate((a, b)):
             if i < len(seq):
-                got[slot].append(feed(seq, slot, i))
+                llm.use_slot(slot)
+                got[slot].append(llm.eval(seq[i:i + chunk]))
     assert llm.slots[0].tokens == list(a) and llm.slots[1].tokens == list(b)
-    for g, ref in zip(got, alone):
-        assert np.array_equal(np.concatenate(g), ref)
+    return [np.concatenate(g) for g in got]
+
+
+def alone(llm, seq, chunk):
+    """The logits of seq fed alone on slot 0, in the same chunks."""
+    llm.use_slot(0)
+    llm.reset()
+    return np.concatenate([llm.eval(seq[i:i + chunk]) for i in range(0, len(seq), chunk)])
 
 
 def test_slots_share_the_cache(tiny_model):
     llm = nbmoe.load(tiny_model("qwen3", default_type="Q8_0"), n_ctx=64, threads=2, n_slots=2)
     assert llm.n_ctx == 32 and len(llm.slots) == 2
-    interleaved_equals_alone(llm, [5, 6, 7, 8, 9], [9, 10, 11, 12], chunk=2)
+    a, b = [5, 6, 7, 8, 9], [9, 10, 11, 12]
+    got = interleaved(llm, a, b, chunk=2)
+    assert np.array_equal(got[1], alone(llm, b, 2)) and np.array_equal(got[0], alone(llm, a, 2))
     # slot 1 is the second half of each layer's one array
     assert np.shares_memory(llm.slots[1].kv.k[0], llm.kv.k[0])
     assert llm.kv.k[0][32:36].any() and not llm.kv.k[0][36:].any()
