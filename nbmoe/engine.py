@@ -24,6 +24,7 @@ from nbmoe.model.forward import build_graph, check_tensors
 from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
+from nbmoe.sched import scheduler
 from nbmoe.sched.scheduler import OffloadPolicy, make_plan
 from nbmoe.text.tokenizer import Tokenizer
 from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers, split_expert_slots
@@ -100,7 +101,7 @@ class LLM:
         self.n_ctx = self.slots[0].kv.n_ctx     # a sequence's context
         self.slot = 0
         self.state = _State(self.slots[0].kv)
-        # a recorded CUDA graph holds the cache's addresses: one plan per slot then
+        # a recorded CUDA graph holds the cache's addresses: one small-batch plan per slot then
         self._plan_per_slot = len(self.slots) > 1 and any(
             getattr(getattr(be, "graphs", None), "ENABLED", False) for be in self.backends.values())
         self._plans = {}
@@ -208,7 +209,8 @@ class LLM:
 
     def plan(self, n_tokens, n_logits):
         share = self.zce_share if n_tokens == 1 else 0
-        key = (n_tokens, n_logits, share, self.slot if self._plan_per_slot else 0)
+        graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
+        key = (n_tokens, n_logits, share, self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight")
             if share:       # -zce: a GPU computes part of each layer's chosen experts
