@@ -24,23 +24,32 @@ from nbmoe.model.forward import build_graph, check_tensors
 from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
+from nbmoe.sched import scheduler
 from nbmoe.sched.scheduler import OffloadPolicy, make_plan
 from nbmoe.text.tokenizer import Tokenizer
 from nbmoe.sched.zero_copy import ShareBalancer, measured_times, sampled_layers, split_expert_slots
 
 
 class _State:
-    """What changes between runs of a bound graph: where in the cache this batch starts."""
+    """What changes between runs of a bound graph: the cache (the active slot's) and where
+    in it this batch starts. The bound steps read both at run time."""
 
     def __init__(self, kv):
         self.kv, self.pos0 = kv, 0
+
+
+class Slot:
+    """One sequence of a shared engine: its part of the KV cache and the tokens it holds."""
+
+    def __init__(self, kv):
+        self.kv, self.tokens = kv, []
 
 
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
                  zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
-                 upload_all_experts=False):
+                 upload_all_experts=False, n_slots=1):
         self.path = os.fspath(path)
         self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
         self.file = GGUFFile(self.path)
@@ -95,9 +104,14 @@ class LLM:
         kv_role = "attn_kv_a_mqa" if self.cfg.is_mla else "attn_q"     # where the layer's keys are made
         kv_place = [self.placement[f"blk.{il}.{kv_role}.weight"][0] for il in range(self.cfg.n_layer)]
         self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
-        self.n_ctx = n_ctx
-        self.state = _State(self.kv)
-        self.tokens = []            # token ids whose keys/values are in the cache
+        # n_slots sequences share the cache, n_ctx // n_slots positions each (use_slot)
+        self.slots = [Slot(view) for view in self.kv.slot_views(max(1, int(n_slots)))]
+        self.n_ctx = self.slots[0].kv.n_ctx     # a sequence's context
+        self.slot = 0
+        self.state = _State(self.slots[0].kv)
+        # a recorded CUDA graph holds the cache's addresses: one small-batch plan per slot then
+        self._plan_per_slot = len(self.slots) > 1 and any(
+            getattr(getattr(be, "graphs", None), "ENABLED", False) for be in self.backends.values())
         self._plans = {}
         self._no_flash_warned = set()
         self.last_stats = {}
@@ -182,14 +196,31 @@ class LLM:
     def detokenize(self, ids):
         return self.tokenizer.decode(list(ids))
 
+    # ---- slots --------------------------------------------------------------------------
+    @property
+    def tokens(self):
+        """Token ids whose keys/values are in the active slot's cache."""
+        return self.slots[self.slot].tokens
+
+    @tokens.setter
+    def tokens(self, ids):
+        self.slots[self.slot].tokens = list(ids)
+
+    def use_slot(self, i):
+        """Make slot i the active sequence: eval / generate continue its cache and tokens."""
+        if not 0 <= i < len(self.slots):
+            raise NbmoeError(f"slot {i} does not exist (the engine has {len(self.slots)})")
+        self.slot, self.state.kv = i, self.slots[i].kv
+
     # ---- evaluation ---------------------------------------------------------------------
     def reset(self):
-        """Empty the KV cache."""
+        """Empty the active slot's KV cache."""
         self.tokens = []
 
     def plan(self, n_tokens, n_logits):
         share = self.zce_share if n_tokens == 1 else 0
-        key = (n_tokens, n_logits, share)
+        graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
+        key = (n_tokens, n_logits, share, self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe)
             if share:       # -zce: a GPU computes part of each layer's chosen experts
@@ -258,8 +289,12 @@ class LLM:
         """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""
         return self._decode(ids, all_logits=True)
 
+    def eval_last(self, ids):
+        """Logits [n_vocab] of the last of `ids` only, appended after the cached tokens."""
+        return self._decode(ids, all_logits=False)
+
     # ---- generation ---------------------------------------------------------------------
-    def _reuse_prefix(self, ids):
+    def reuse_prefix(self, ids):
         """Keep the cached tokens that `ids` starts with; return the ids still to evaluate."""
         n = 0
         limit = min(len(self.tokens), len(ids) - 1)   # always evaluate at least one token
@@ -278,7 +313,7 @@ class LLM:
         stop = self.tokenizer.stop_ids if stop_ids is None else stop_ids
         prompt_ids = list(prompt_ids)
         t0 = time.perf_counter()
-        todo = self._reuse_prefix(prompt_ids)
+        todo = self.reuse_prefix(prompt_ids)
         logits = self._decode(todo, all_logits=False)
         t1 = time.perf_counter()
         stats = self.last_stats = dict(n_prompt=len(todo), t_prompt=t1 - t0, n_gen=0, t_gen=0.0,
@@ -349,7 +384,7 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
+def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slots=1, **placement):
     """Open a GGUF model; without a path, the default model (SmolLM2-135M-Instruct upcycled
     to 8 experts, built into the cache on first use: loader/default_model.py). n_ctx: 0 = the
     model's training context. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K /
@@ -362,8 +397,11 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **plac
     a layer whose experts are in RAM; 0 = none), flash_attn ("auto", "on", "off": prompts on
     the flash attention kernels where a backend has one, as llama.cpp's -fa), fused_moe (-fmoe:
     the experts' gate, up and GLU as one op, MUL_MAT_ID_GLU; False: three), upload_all_experts
-    (an offloaded expert product uploads its whole tensor, not only the experts the router chose)."""
+    (an offloaded expert product uploads its whole tensor, not only the experts the router
+    chose), n_slots (sequences that share the cache, n_ctx // n_slots positions each;
+    llm.use_slot(i) picks the one eval / generate continue)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()
-    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack,
+               n_slots=n_slots, **placement)

@@ -60,6 +60,45 @@ def test_load_keeps_numpys_blas_to_one_thread(llm):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
+# ---- slots: sequences that share one cache -----------------------------------------------
+
+def interleaved(llm, a, b, chunk):
+    """The logits of sequences a and b fed `chunk` tokens at a time, in turns on slots 0 and 1."""
+    for slot in (0, 1):
+        llm.use_slot(slot)
+        llm.reset()
+    got = [[], []]
+    for i in range(0, max(len(a), len(b)), chunk):
+        for slot, seq in enumerate((a, b)):
+            if i < len(seq):
+                llm.use_slot(slot)
+                got[slot].append(llm.eval(seq[i:i + chunk]))
+    assert llm.slots[0].tokens == list(a) and llm.slots[1].tokens == list(b)
+    return [np.concatenate(g) for g in got]
+
+
+def alone(llm, seq, chunk):
+    """The logits of seq fed alone on slot 0, in the same chunks."""
+    llm.use_slot(0)
+    llm.reset()
+    return np.concatenate([llm.eval(seq[i:i + chunk]) for i in range(0, len(seq), chunk)])
+
+
+def test_slots_share_the_cache(tiny_model):
+    llm = nbmoe.load(tiny_model("qwen3", default_type="Q8_0"), n_ctx=64, threads=2, n_slots=2)
+    assert llm.n_ctx == 32 and len(llm.slots) == 2
+    a, b = [5, 6, 7, 8, 9], [9, 10, 11, 12]
+    got = interleaved(llm, a, b, chunk=2)
+    assert np.array_equal(got[1], alone(llm, b, 2)) and np.array_equal(got[0], alone(llm, a, 2))
+    # slot 1 is the second half of each layer's one array
+    assert np.shares_memory(llm.slots[1].kv.k[0], llm.kv.k[0])
+    assert llm.kv.k[0][32:36].any() and not llm.kv.k[0][36:].any()
+    with pytest.raises(nbmoe.NbmoeError, match="exceed the context of 32"):
+        llm.eval(list(range(40)))
+    with pytest.raises(nbmoe.NbmoeError, match="slot 2 does not exist"):
+        llm.use_slot(2)
+
+
 # ---- generation's end, the context, threads ----------------------------------------------
 
 def test_generate_reports_why_it_stopped(tiny_model):

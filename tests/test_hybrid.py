@@ -54,6 +54,20 @@ def close(a, b, rel=2e-4):
     return np.abs(a - b).max() <= rel * np.abs(b).max()
 
 
+def test_slots_on_the_gpu(whole):
+    """Slots are views of each layer's one device array; the GPU's bound steps read the
+    active slot's at run time."""
+    from test_api import interleaved
+    llm = load(whole, n_gpu_layers=99, n_slots=2)
+    assert all(b == "CUDA0" for b in llm.kv.backends)
+    a, b = ([1, 17], [3]) if cuda_setup.SIM else ([1, 17, 200], [3, 5])
+    got = interleaved(llm, a, b, chunk=1)     # slot 1 written between slot 0's two tokens
+    ref = nbmoe.load(whole, n_ctx=32, threads=2)
+    for g, seq in zip(got, (a, b)):
+        ref.reset()
+        assert close(g, np.concatenate([ref.eval([t]) for t in seq]))
+
+
 @pytest.mark.parametrize("placement", [
     dict(n_gpu_layers=99),                                   # everything on the GPU
     dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM (-zce auto: 1 of 2 on the GPU)

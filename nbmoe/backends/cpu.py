@@ -158,16 +158,18 @@ class Backend:
     def bind_attn(self, node, buf, state):
         out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
-        kc, vc = state.kv.k[layer], state.kv.v[layer]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
         extra = {} if self.sinks(node) is None else {"sinks": self.sinks(node)}
         extra["fa"] = self.use_flash(q.shape[0], q.shape[-1])
+        # the cache arrays are looked up at run time: state.kv is the active slot's (engine.py)
         if self.positions_on_device:     # kernels read the position from the pos buffer
             def run():
+                kc, vc = state.kv.k[layer], state.kv.v[layer]
                 attn.store_kv(kc, vc, k, v, pos)
                 attn.attention(out, q, kc, vc, pos, scale, window, **extra)
         else:
             def run():
+                kc, vc = state.kv.k[layer], state.kv.v[layer]
                 attn.store_kv(kc, vc, k, v, state.pos0)
                 attn.attention(out, q, kc, vc, state.pos0, scale, window, **extra)
         return run
@@ -336,13 +338,12 @@ class CPUBackend(Backend):
         qtypes, int8s, steps = (tuple(p[j] for p in (pq, pk, pv, po)) for j in (1, 2, 3))
         rp, layer = rope.params, att.params["layer"]
         rope_p, neox = (np.asarray(rp["freqs"], np.float64), float(rp["mscale"])), rp["neox"]
-        kc, vc = state.kv.k[layer], state.kv.v[layer]
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
         sinks = self.sinks(att) if self.sinks(att) is not None else self.empty()
         self.use_flash(1, bq.shape[-1])         # one token: the decode kernel (recorded for --explain)
         step = _labelled(lambda: blocks.attn_block(
             x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
-            rows, rope_p, neox, kc, vc, scale, window, sinks), "ATTN_BLOCK")
+            rows, rope_p, neox, state.kv.k[layer], state.kv.v[layer], scale, window, sinks), "ATTN_BLOCK")
         # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
         # runs without a region)
         step.regions = 1 + (0 if same_v else _region(pv)) + _region(po)

@@ -236,7 +236,7 @@ class FusionBinders:
         wq, wk = (self.vector(n.weight) for n in norms) if norms else (None, None)
         eps = norms[0].params["eps"] if norms else 0.0
         layer = attn_node.params["layer"]
-        kc, vc = state.kv.k[layer], state.kv.v[layer]
+        kv = lambda: (state.kv.k[layer], state.kv.v[layer])    # the active slot's, at run time
         p, a = rope.params, attn_node.params
         fused, attn, x8, cell = self.fused, self.attn, self.x8, {}
         sinks = self.sinks(attn_node)
@@ -247,6 +247,7 @@ class FusionBinders:
         fa = self.use_flash(T, Dh)
         if attn.rope_supported(T, Dh):    # one launch (decoding)
             def rope_attention():
+                kc, vc = kv()
                 xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
                 attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"],
                                     p["mscale"], p["neox"], a["scale"], a["window"], xq=xq, xds=xds,
@@ -254,9 +255,11 @@ class FusionBinders:
             return [None] * (len(members) - 1) + [_labelled(rope_attention, "QK_NORM+ROPE+ATTN")]
 
         def norm_rope_store():
+            kc, vc = kv()
             fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"], p["mscale"], p["neox"])
 
         def attention():
+            kc, vc = kv()
             xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
             attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds, sinks=sinks,
                            fa=fa)
