@@ -45,7 +45,7 @@ class _State:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto"):
+                 zero_copy_experts="auto", cache_type_k="f16", cache_type_v="f16"):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
@@ -86,7 +86,8 @@ class LLM:
         n_ctx = n_ctx or self.cfg.n_ctx_train      # as llama.cpp's -c 0
         kv_role = "attn_kv_a_mqa" if self.cfg.is_mla else "attn_q"     # where the layer's keys are made
         kv_place = [self.placement[f"blk.{il}.{kv_role}.weight"][0] for il in range(self.cfg.n_layer)]
-        self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
+        self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place,
+                          cache_type_k, cache_type_v)     # f16, bf16 or q8_0 (kv_cache.py)
         self.n_ctx = n_ctx
         self.state = _State(self.kv)
         self.tokens = []            # token ids whose keys/values are in the cache
@@ -318,7 +319,8 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **placement):
+def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, cache_type_k="f16",
+         cache_type_v="f16", **placement):
     """Open a GGUF model; without a path, the default model (SmolLM2-135M-Instruct upcycled
     to 8 experts, built into the cache on first use: loader/default_model.py). n_ctx: 0 = the
     model's training context. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K /
@@ -328,8 +330,10 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, **plac
     (of each generated token's chosen experts whose weights are in RAM, how many the GPU
     computes, reading the weights in place over PCIe while the CPU computes the others;
     "auto" = from 3/8 of them, balanced while generating (zero_copy.py), where a GPU routes
-    a layer whose experts are in RAM; 0 = none)."""
+    a layer whose experts are in RAM; 0 = none). cache_type_k, cache_type_v: the KV cache's
+    types, f16, bf16 or q8_0 (llama.cpp's -ctk / -ctv; model/kv_cache.py)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()
-    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack, **placement)
+    return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack,
+               cache_type_k=cache_type_k, cache_type_v=cache_type_v, **placement)

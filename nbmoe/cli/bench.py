@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, int_list_arg, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                         friendly_errors, placement_kwargs, resolve_model, zce_value)
+from nbmoe.cli.common import (add_cache_type_args, add_model_args, add_placement_args, add_repack_arg,
+                         err_console, friendly_errors, placement_kwargs, resolve_model, zce_value)
 
 
 def int_list(s):
@@ -55,6 +55,7 @@ def parse_args(argv=None):
                         "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
     add_repack_arg(p, lists=True)
     add_placement_args(p, lists=True)
+    add_cache_type_args(p, lists=True)
     args = p.parse_args(argv)
     lists = {dest: int_list_arg(p, dest, getattr(args, dest))
              for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack")}
@@ -154,12 +155,15 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         rows, bw = [], {}
         llm = None
-        for ngl, ub, rtr, zce in [(g, u, r, z) for g in args.ngl_list for u in args.ub_list
-                                  for r in args.rtr_list for z in args.zce_list]:
+        for ngl, ub, rtr, zce, ctk, ctv in [(g, u, r, z, k, v) for g in args.ngl_list for u in args.ub_list
+                                            for r in args.rtr_list for z in args.zce_list
+                                            for k in args.cache_type_k for v in args.cache_type_v]:
             llm = None      # the previous model's memory (and repacked copies) go first
             llm = load(path, n_ctx=need, threads=threads_list[0], n_ubatch=ub, repack=rtr,
-                       **placement_kwargs(args, ngl, zce))
+                       cache_type_k=ctk, cache_type_v=ctv, **placement_kwargs(args, ngl, zce))
             facts = model_facts(llm)
+            if args.output == "md":
+                err_console.print(f"  {llm.kv.summary()}")
             if llm.repack_stats and args.output == "md":
                 s = llm.repack_stats
                 err_console.print(f"  -rtr: {s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB "
@@ -244,7 +248,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         gpu_info=gpu_info() if gpus else "", backends="CUDA" if gpus else "CPU",
         model_filename=os.path.basename(path), model_type=facts["label"],
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
-        n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
+        n_ubatch=ub, n_threads=threads, type_k=llm.kv.type_k, type_v=llm.kv.type_v, n_gpu_layers=ngl,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
@@ -284,8 +288,10 @@ def print_rows(rows, fmt, facts):
     show_gpu = any(r["n_gpu_layers"] or r["tensor_buft_overrides"] != "none" for r in rows)
     show_rtr = any(r["repack"] for r in rows)      # llama-bench shows a column once it varies
     show_zce = any(r["zero_copy_experts"] for r in rows)
+    show_kv = any((r["type_k"], r["type_v"]) != ("f16", "f16") for r in rows)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + [
+        "n_ubatch"] + (["type_k", "type_v"] if show_kv else []) + (["rtr"] if show_rtr else []) + (
+        ["zce"] if show_zce else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -301,6 +307,7 @@ def print_rows(rows, fmt, facts):
         gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
+                      *([r["type_k"], r["type_v"]] if show_kv else []),
                       *([str(int(r["repack"]))] if show_rtr else []),
                       *([str(r["zero_copy_experts"])] if show_zce else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
