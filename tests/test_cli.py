@@ -153,6 +153,8 @@ def test_bad_value_one_line(args, message):
     ("chat", ["-n", "0"], "-n/--n-predict: must be at least 1, or -1"),
     ("chat", ["-zce", "x"], "-zce/--zero-copy-experts: expected 'auto' or a number, got 'x'"),
     ("chat", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("chat", ["-ctk", "q4_0"], "-ctk/--cache-type-k: unknown KV cache type 'q4_0': choose one of f16, bf16, q8_0"),
+    ("bench", ["-ctv", "f16,q5"], "-ctv/--cache-type-v: unknown KV cache type 'q5': choose one of f16, bf16, q8_0"),
 ])
 def test_every_flag_checked(tool, args, message, capsys):
     """The sweep over both tools' flags, in this process (the same parser as above)."""
@@ -169,8 +171,10 @@ def test_good_edge_values_accepted():
     a = chat.parse_args(["-n", "-1", "-c", "0", "--seed", "-1", "--temp", "0", "--top-p", "1",
                          "--top-k", "0", "--min-p", "0", "-zce", "0"])
     assert (a.n_predict, a.ctx_size, a.seed) == (-1, 0, -1)
-    b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2"])
+    b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2",
+                          "-ctk", "f16,q8_0", "-ctv", "bf16"])
     assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
+    assert (b.cache_type_k, b.cache_type_v) == (["f16", "q8_0"], ["bf16"])
 
 
 def warnings_of(r):
