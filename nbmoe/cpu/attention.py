@@ -28,7 +28,7 @@ from numba.core import types
 from numba.extending import overload
 
 from .half import f16_to_f32
-from .kv_rows import load_row, store_row
+from .kv_rows import load_row, q8_scale, store_row
 from .ops import EMPTY, FM, exp_f32, row_max
 from .quants import FM as FM_DOT
 from .quants import stack_f32
@@ -125,12 +125,12 @@ def _decode_pv(acc, p, v_cache, g, lo, n):
                 acc[a0 + a, i] = t
 
 
-# Other cache types: each key / value row dequantized into float32 once (kx, vr [Dh]), then
-# the same sums as f16's (scores: 4 rows x 2 keys; P @ V: a row's Dh sums, vectorized).
+# bf16: each key / value row converted to float32 once (kx, vr [Dh]), then the same sums as
+# f16's (scores: 4 rows x 2 keys; P @ V: a row's Dh sums, vectorized).
 
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def _decode_scores_rows(s, qp, k_cache, g, lo, n):
-    """_decode_scores of a bf16 / q8_0 cache."""
+    """_decode_scores of a bf16 cache (or any type load_row reads)."""
     Dh = qp.shape[1]
     kx, ky = np.empty(Dh, np.float32), np.empty(Dh, np.float32)
     for j0 in range(0, n, 2):
@@ -156,7 +156,7 @@ def _decode_scores_rows(s, qp, k_cache, g, lo, n):
 
 @njit(cache=True, error_model="numpy", fastmath=FM_DOT)
 def _decode_pv_rows(acc, p, v_cache, g, lo, n):
-    """_decode_pv of a bf16 / q8_0 cache."""
+    """_decode_pv of a bf16 cache (or any type load_row reads)."""
     R, Dh = acc.shape
     vr = np.empty(Dh, np.float32)
     acc[:] = 0.0
@@ -166,6 +166,72 @@ def _decode_pv_rows(acc, p, v_cache, g, lo, n):
             pa, o = p[a, j], acc[a]
             for i in range(Dh):
                 o[i] += pa * vr[i]
+
+
+# q8_0 keys: s[a, j] = sum_b d_jb * (qp[a, 32b:32b+32] . q_jb), the int8 sums per block in
+# registers (4 rows x 2 keys), scaled once per block; rows are block_q8_0 bytes (kv_rows.py).
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _decode_scores_q8(s, qp, k_cache, g, lo, n):
+    """_decode_scores of a q8_0 cache."""
+    nb = qp.shape[1] // 32
+    for j0 in range(0, n, 2):
+        j1 = min(j0 + 1, n - 1)
+        kx, ky = k_cache[lo + j0, g], k_cache[lo + j1, g]
+        for a0 in range(0, qp.shape[0], RB):
+            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = np.float32(0.0)
+            for b in range(nb):
+                dx, dy = q8_scale(kx, b), q8_scale(ky, b)
+                cx, cy = kx[34 * b + 2:34 * b + 34], ky[34 * b + 2:34 * b + 34]
+                q0, q1 = qp[a0, 32 * b:32 * b + 32], qp[a0 + 1, 32 * b:32 * b + 32]
+                q2, q3 = qp[a0 + 2, 32 * b:32 * b + 32], qp[a0 + 3, 32 * b:32 * b + 32]
+                u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = np.float32(0.0)
+                for i in range(32):
+                    x = np.float32(np.int8(cx[i]))
+                    y = np.float32(np.int8(cy[i]))
+                    u0 += q0[i] * x
+                    u1 += q1[i] * x
+                    u2 += q2[i] * x
+                    u3 += q3[i] * x
+                    w0 += q0[i] * y
+                    w1 += q1[i] * y
+                    w2 += q2[i] * y
+                    w3 += q3[i] * y
+                x0 += dx * u0
+                x1 += dx * u1
+                x2 += dx * u2
+                x3 += dx * u3
+                y0 += dy * w0
+                y1 += dy * w1
+                y2 += dy * w2
+                y3 += dy * w3
+            s[a0, j0], s[a0 + 1, j0], s[a0 + 2, j0], s[a0 + 3, j0] = x0, x1, x2, x3
+            s[a0, j1], s[a0 + 1, j1], s[a0 + 2, j1], s[a0 + 3, j1] = y0, y1, y2, y3
+
+
+# q8_0 values: as f16's P @ V (4 rows x 16 dims of accumulators), each 16-value slice of v_j
+# converted as d_jb * q (a slice lies in one 32-block: Dh is a multiple of 32).
+
+@njit(cache=True, error_model="numpy", fastmath=FM_DOT)
+def _decode_pv_q8(acc, p, v_cache, g, lo, n):
+    """_decode_pv of a q8_0 cache."""
+    Dh = acc.shape[1]
+    for a0 in range(0, p.shape[0], RB):
+        for i0 in range(0, Dh, IC):
+            o = carray(_acc_pv(), RB * IC)
+            for x in range(RB * IC):
+                o[x] = 0.0
+            b, at = i0 // 32, 34 * (i0 // 32) + 2 + i0 % 32
+            for j in range(n):
+                vr = v_cache[lo + j, g]
+                d, cq = q8_scale(vr, b), v_cache[lo + j, g, at:at + IC]
+                for c in range(IC):
+                    x = d * np.float32(np.int8(cq[c]))
+                    for a in range(RB):
+                        o[a * IC + c] += p[a0 + a, j] * x
+            for a in range(RB):
+                for c in range(IC):
+                    acc[a0 + a, i0 + c] = o[a * IC + c]
 
 
 def decode_scores(s, qp, k_cache, g, lo, n):
@@ -178,13 +244,13 @@ def decode_pv(acc, p, v_cache, g, lo, n):
 
 @overload(decode_scores, jit_options={"error_model": "numpy"})
 def _decode_scores_of(s, qp, k_cache, g, lo, n):
-    f = _decode_scores if k_cache.dtype == types.uint16 else _decode_scores_rows
+    f = {types.uint16: _decode_scores, types.uint8: _decode_scores_q8}.get(k_cache.dtype, _decode_scores_rows)
     return lambda s, qp, k_cache, g, lo, n: f(s, qp, k_cache, g, lo, n)
 
 
 @overload(decode_pv, jit_options={"error_model": "numpy"})
 def _decode_pv_of(acc, p, v_cache, g, lo, n):
-    f = _decode_pv if v_cache.dtype == types.uint16 else _decode_pv_rows
+    f = {types.uint16: _decode_pv, types.uint8: _decode_pv_q8}.get(v_cache.dtype, _decode_pv_rows)
     return lambda acc, p, v_cache, g, lo, n: f(acc, p, v_cache, g, lo, n)
 
 

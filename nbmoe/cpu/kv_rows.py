@@ -5,7 +5,8 @@ float32, per cache type (model/kv_cache.py draws the layouts):
   q8_0  uint8  [Dh/32 * 34]   per block b: bytes 34b, 34b+1 = d (f16, little-endian),
                               bytes 34b+2 .. 34b+33 = q int8; value 32b + i = d * q[i]
 store_row / load_row pick the type's loop by the row's dtype when Numba compiles the caller,
-so each caller holds one type's code (as specialize.py does per weight type).
+so each caller holds one type's code (as specialize.py does per weight type); the loads are
+inlined (Numba IR): a call per row would cost more than the row's conversion.
 q8_0 quantizes as llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127 (f32), q = round(x / d)
 (half away from zero), d kept as f16.
 """
@@ -58,26 +59,26 @@ def store_q8_0(dst, src):
             dst[o + 2 + i] = np.uint8((-q if v < 0 else q) & 0xFF)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(inline="always")
 def load_f16(dst, src):
     for i in range(dst.shape[0]):
         dst[i] = f16_to_f32(src[i])
 
 
-@njit(cache=True, error_model="numpy")
+@njit(inline="always")
 def load_bf16(dst, src):
     for i in range(dst.shape[0]):
         dst[i] = bf16_to_f32(src[i])
 
 
-@njit(cache=True, error_model="numpy")
+@njit(inline="always")
 def q8_scale(src, b):
     """d of block b of a q8_0 row, as float32."""
     o = b * QB
     return f16_to_f32(np.uint16(np.uint16(src[o]) | (np.uint16(src[o + 1]) << np.uint16(8))))
 
 
-@njit(cache=True, error_model="numpy")
+@njit(inline="always")
 def load_q8_0(dst, src):
     for b in range(dst.shape[0] // QK):
         d = q8_scale(src, b)
@@ -107,7 +108,7 @@ def _store_row(dst, src):
     return lambda dst, src: f(dst, src)
 
 
-@overload(load_row, jit_options={"error_model": "numpy"})
+@overload(load_row, inline="always", jit_options={"error_model": "numpy"})
 def _load_row(dst, src):
     f = _LOAD[np.dtype(_NB[src.dtype])]
     return lambda dst, src: f(dst, src)
