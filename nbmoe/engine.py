@@ -49,7 +49,7 @@ class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
                  zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
-                 upload_all_experts=False, n_slots=1):
+                 upload_all_experts=False, n_slots=1, cache_type_k="f16", cache_type_v="f16"):
         self.path = os.fspath(path)
         self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
         self.file = GGUFFile(self.path)
@@ -103,7 +103,8 @@ class LLM:
         n_ctx = n_ctx or self.cfg.n_ctx_train      # as llama.cpp's -c 0
         kv_role = "attn_kv_a_mqa" if self.cfg.is_mla else "attn_q"     # where the layer's keys are made
         kv_place = [self.placement[f"blk.{il}.{kv_role}.weight"][0] for il in range(self.cfg.n_layer)]
-        self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place)
+        self.kv = KVCache(self.cfg, n_ctx, {b: be.alloc for b, be in self.backends.items()}, kv_place,
+                          cache_type_k, cache_type_v)     # f16, bf16 or q8_0 (kv_cache.py)
         # n_slots sequences share the cache, n_ctx // n_slots positions each (use_slot)
         self.slots = [Slot(view) for view in self.kv.slot_views(max(1, int(n_slots)))]
         self.n_ctx = self.slots[0].kv.n_ctx     # a sequence's context
@@ -384,7 +385,8 @@ def default_threads():
     return max(1, min(n or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slots=1, **placement):
+def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slots=1,
+         cache_type_k="f16", cache_type_v="f16", **placement):
     """Open a GGUF model; without a path, the default model (SmolLM2-135M-Instruct upcycled
     to 8 experts, built into the cache on first use: loader/default_model.py). n_ctx: 0 = the
     model's training context. repack: rewrite the RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K /
@@ -399,9 +401,11 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slot
     the experts' gate, up and GLU as one op, MUL_MAT_ID_GLU; False: three), upload_all_experts
     (an offloaded expert product uploads its whole tensor, not only the experts the router
     chose), n_slots (sequences that share the cache, n_ctx // n_slots positions each;
-    llm.use_slot(i) picks the one eval / generate continue)."""
+    llm.use_slot(i) picks the one eval / generate continue)., cache_type_k,
+    cache_type_v (the KV cache's types, f16, bf16 or q8_0: llama.cpp's -ctk / -ctv;
+    model/kv_cache.py)."""
     if path is None:
         from nbmoe.loader.default_model import default_model_path
         path = default_model_path()
     return LLM(path, n_ctx=n_ctx, threads=threads, n_ubatch=n_ubatch, repack=repack,
-               n_slots=n_slots, **placement)
+               n_slots=n_slots, cache_type_k=cache_type_k, cache_type_v=cache_type_v, **placement)

@@ -75,6 +75,36 @@ def f16_round(x):
     return x.astype(np.float16).astype(np.float64)
 
 
+def bf16_round(x):
+    """What a bf16 cache holds: x rounded to nearest even bf16 (top half of an f32), as float64."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    top = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return (top << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def q8_0_quantize(x):
+    """x [..., Dh] float32 -> (d float16 [..., Dh/32], q int8 [..., Dh]) as llama.cpp's
+    quantize_row_q8_0_ref: d = max|x| / 127 per 32 values, q = round(x / d), halves away from 0."""
+    b = np.asarray(x, np.float32).reshape(x.shape[:-1] + (-1, 32))
+    d = (np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = (b * inv).astype(np.float32)
+    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+    return d[..., 0].astype(np.float16), q.reshape(x.shape)
+
+
+def q8_0_round(x):
+    """What a q8_0 cache holds: d * q of each 32-block, as float64."""
+    d, q = q8_0_quantize(x)
+    return (q.reshape(d.shape + (32,)) * d[..., None].astype(np.float64)).reshape(q.shape)
+
+
+def kv_round(x, kv_type):
+    """What a cache of kv_type ('f16', 'bf16', 'q8_0') holds for x, as float64."""
+    return {"f16": f16_round, "bf16": bf16_round, "q8_0": q8_0_round}[kv_type](x)
+
+
 def attention(q, k_all, v_all, pos0, scale, window=0, sinks=None):
     """Causal GQA attention. q [T, H, Dh]; k_all, v_all [n_ctx, Hkv, Dh] (float64, cache values).
 

@@ -187,6 +187,8 @@ def test_bad_value_one_line(args, message):
     ("sweep", ["-n", "0"], "-n/--n-gen: must be at least 1, got 0"),
     ("sweep", ["--plot-from", "a.json"], "--plot-from: needs --plot FILE.png"),
     ("sweep", ["-o", "xml"], "-o/--output: invalid choice: 'xml'"),
+    ("chat", ["-ctk", "q4_0"], "-ctk/--cache-type-k: unknown KV cache type 'q4_0': choose one of f16, bf16, q8_0"),
+    ("bench", ["-ctv", "f16,q5"], "-ctv/--cache-type-v: unknown KV cache type 'q5': choose one of f16, bf16, q8_0"),
 ])
 def test_every_flag_checked(tool, args, message, capsys):
     """The sweep over the tools' flags, in this process (the same parser as above)."""
@@ -208,6 +210,9 @@ def test_good_edge_values_accepted():
     assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
     assert b.fa_list == ["on", "off", "auto", "off"]
     assert chat.parse_args(["-fa", "off"]).flash_attn == "off" and chat.parse_args([]).flash_attn is None
+                          "-ctk", "f16,q8_0", "-ctv", "bf16"])
+    assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
+    assert (b.cache_type_k, b.cache_type_v) == (["f16", "q8_0"], ["bf16"])
 
 
 def warnings_of(r):

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
                               add_placement_args, add_repack_arg, err_console, friendly_errors,
                               mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, gpu_info, human, int_list, load_config, model_facts,
@@ -48,6 +48,7 @@ def parse_args(argv=None):
     add_flash_attn_arg(p, lists=True)
     add_placement_args(p, lists=True)
     add_moe_args(p, lists=True)
+    add_cache_type_args(p, lists=True)
     args = p.parse_args(argv)
     parse_lists(p, args)
     if not any(args.n_prompt + args.n_gen):
@@ -173,7 +174,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         gpu_info=gpu_info() if gpus else "", backends="CUDA" if gpus else "CPU",
         model_filename=os.path.basename(path), model_type=facts["label"],
         model_size=facts["size"], model_n_params=facts["n_params"], n_batch=args.batch_size,
-        n_ubatch=ub, n_threads=threads, type_k="f16", type_v="f16", n_gpu_layers=ngl,
+        n_ubatch=ub, n_threads=threads, type_k=llm.kv.type_k, type_v=llm.kv.type_v, n_gpu_layers=ngl,
         flash_attn=llm.flash_attn, flash_attn_given=args.flash_attn is not None,
         repack=bool(llm.repacked), repack_seconds=llm.repack_stats["seconds"] if llm.repack_stats else 0.0,
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
@@ -201,9 +202,11 @@ def print_rows(rows, fmt, facts, args=None):
     show_zce = any(r["zero_copy_experts"] for r in rows)
     show_fa = any(r["flash_attn_given"] for r in rows)        # -fa given: its column
     show_fmoe, show_uae = getattr(args, "show_fmoe", False), getattr(args, "show_uae", False)
+    show_kv = any((r["type_k"], r["type_v"]) != ("f16", "f16") for r in rows)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
-        "n_ubatch"] + (["rtr"] if show_rtr else []) + (["zce"] if show_zce else []) + (
-        ["fa"] if show_fa else []) + (["fmoe"] if show_fmoe else []) + (["uae"] if show_uae else []) + [
+        "n_ubatch"] + (["type_k", "type_v"] if show_kv else []) + (["rtr"] if show_rtr else []) + (
+        ["zce"] if show_zce else []) + (["fa"] if show_fa else []) + (["fmoe"] if show_fmoe else []) + (
+        ["uae"] if show_uae else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -219,6 +222,7 @@ def print_rows(rows, fmt, facts, args=None):
         gpu = [str(r["n_gpu_layers"]), r["tensor_buft_overrides"]] if show_gpu else []
         table.add_row(r["model_type"], f"{r['model_size'] / 2**20:.1f} MiB", human(r["model_n_params"]),
                       r["backends"], str(r["n_threads"]), *gpu, str(r["n_ubatch"]),
+                      *([r["type_k"], r["type_v"]] if show_kv else []),
                       *([str(int(r["repack"]))] if show_rtr else []),
                       *([str(r["zero_copy_experts"])] if show_zce else []),
                       *([r["flash_attn"]] if show_fa else []),

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
                               add_placement_args, add_repack_arg, err_console, friendly_errors,
                               loading, mpi_ranks, placement_kwargs, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
@@ -46,6 +46,7 @@ def parse_args(argv=None):
     add_flash_attn_arg(p)
     add_placement_args(p)
     add_moe_args(p)
+    add_cache_type_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     args.threads = check_threads(p, args.threads)
@@ -213,7 +214,9 @@ def main(argv=None):
         path = resolve_model(args.model)
         with loading(f"loading {path}"):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
-                       repack=args.run_time_repack, **placement_kwargs(args))
+                       repack=args.run_time_repack, cache_type_k=args.cache_type_k,
+                       cache_type_v=args.cache_type_v, **placement_kwargs(args))
+        err_console.print(llm.kv.summary())
         warm_up(llm)
         chat = Chat(llm, args)
         repl(chat, f"[bold]nbmoe[/] chatting with {llm.cfg.arch} model {path} "

@@ -100,6 +100,29 @@ def add_moe_args(p, lists=False):
                             "experts the router chose")
 
 
+def add_cache_type_args(p, lists=False):
+    """-ctk / -ctv, as in llama.cpp: the KV cache's types (bench: comma lists)."""
+    from nbmoe.model.kv_cache import KV_TYPES
+    for short, long, what in (("-ctk", "--cache-type-k", "keys"), ("-ctv", "--cache-type-v", "values")):
+        p.add_argument(short, long, default=["f16"] if lists else "f16",
+                       type=cache_types if lists else cache_type,
+                       help=f"KV cache type of the {what}: {', '.join(KV_TYPES)}" +
+                            (" (comma list)" if lists else ""))
+
+
+def cache_type(v):
+    """-ctk / -ctv: a KV cache type name."""
+    from nbmoe.model.kv_cache import KV_TYPES
+    if v not in KV_TYPES:
+        raise argparse.ArgumentTypeError(f"unknown KV cache type {v!r}: choose one of {', '.join(KV_TYPES)}")
+    return v
+
+
+def cache_types(v):
+    """-ctk / -ctv of the bench: a comma list of KV cache type names."""
+    return [cache_type(x.strip()) for x in str(v).split(",") if x.strip()] or [cache_type(v)]
+
+
 def zce_value(v):
     """-zce: 'auto' or a count of experts."""
     if v == "auto":

@@ -49,11 +49,11 @@ def parse_lists(p, args):
 
 def configs(args):
     """Every combination of the lists, one model load each: dicts of ngl, ub, rtr, zce, fa,
-    fmoe, uae."""
-    keys = ("ngl", "ub", "rtr", "zce", "fa", "fmoe", "uae")
+    fmoe, uae, ctk, ctv."""
+    keys = ("ngl", "ub", "rtr", "zce", "fa", "fmoe", "uae", "ctk", "ctv")
     return [dict(zip(keys, c)) for c in itertools.product(
         args.ngl_list, args.ub_list, args.rtr_list, args.zce_list, args.fa_list, args.fmoe_list,
-        args.uae_list)]
+        args.uae_list, args.cache_type_k, args.cache_type_v)]
 
 
 def load_config(path, args, c, n_ctx, threads, quiet=False):
@@ -61,7 +61,10 @@ def load_config(path, args, c, n_ctx, threads, quiet=False):
     from nbmoe.engine import load
     with loading(f"loading {path}"):
         llm = load(path, n_ctx=n_ctx, threads=threads, n_ubatch=c["ub"], repack=c["rtr"],
+                   cache_type_k=c["ctk"], cache_type_v=c["ctv"],
                    **placement_kwargs(args, c["ngl"], c["zce"], c["fa"], c["fmoe"], c["uae"]))
+    if not quiet:
+        err_console.print(f"  {llm.kv.summary()}")
     if llm.repack_stats and not quiet:
         s = llm.repack_stats
         err_console.print(f"  -rtr: {s['tensors']} tensors, {s['bytes'] / 2**20:.1f} MiB "

@@ -21,7 +21,7 @@ import numpy as np
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_flash_attn_arg, add_model_args, add_moe_args,
+from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
                               add_placement_args, add_repack_arg, err_console, friendly_errors,
                               mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, int_list, load_config, model_facts, parse_lists,
@@ -53,6 +53,7 @@ def parse_args(argv=None):
     add_repack_arg(p, lists=True)
     add_flash_attn_arg(p, lists=True)
     add_moe_args(p, lists=True)
+    add_cache_type_args(p, lists=True)
     add_placement_args(p, lists=True)
     args = p.parse_args(argv)
     if args.plot_from is not None:
@@ -101,6 +102,7 @@ def run_label(args, c, threads, llm):
     varying = [(f"-ngl {c['ngl']}", args.ngl_list), (f"-ub {c['ub']}", args.ub_list),
                (f"-rtr {int(c['rtr'])}", args.rtr_list), (f"-zce {c['zce']}", args.zce_list),
                (f"-fa {llm.flash_attn}", args.fa_list), (f"-fmoe {c['fmoe']}", args.fmoe_list),
+               (f"-ctk {c['ctk']}", args.cache_type_k), (f"-ctv {c['ctv']}", args.cache_type_v),
                (f"--upload-all-experts {c['uae']}", args.uae_list), (f"-t {threads}", args.threads or [])]
     base = args.label or os.path.splitext(os.path.basename(llm.path))[0]
     return " ".join([base] + [flag for flag, values in varying if len(values) > 1])

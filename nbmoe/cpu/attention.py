@@ -1,11 +1,13 @@
-"""KV cache store and causal grouped-query attention over an f16 cache, on CPU.
+"""KV cache store and causal grouped-query attention over the KV cache, on CPU.
 
 Letters: T tokens in the micro-batch, H query heads, Hkv kv heads, G = H // Hkv query heads per
 kv head, Dh head dim, C cache slots (context length), n keys attended by one query, R = G
 rounded up to RB (the query rows a decode block computes together).
 
-Cache layout, per layer: k_cache, v_cache uint16 [C, Hkv, Dh] holding f16 bit patterns; the Dh
-values of one (position, kv head) are contiguous, and a whole position row (Hkv * Dh) too.
+Cache layout, per layer: k_cache, v_cache [C, Hkv, row] of the cache's type (f16: uint16 [C, Hkv,
+Dh] bit patterns; bf16, q8_0: kv_rows.py); the row of one (position, kv head) is contiguous, and
+a whole position too. f16 is read by the loops below; the other types' rows are dequantized
+into float32 one key at a time (kv_rows.load_row) and used as f16's are.
 Token t of the batch sits at position pos0 + t.
 
 Sinks (gpt-oss): sinks [H] float32, or a size-0 array for none. Head h's softmax then has one
@@ -24,7 +26,11 @@ import numpy as np
 from numba import carray, njit, prange
 
 from . import attention_flash as flash
-from .half import f16_to_f32, f32_to_f16
+from numba.core import types
+from numba.extending import overload
+
+from .half import f16_to_f32
+from .kv_rows import load_row, q8_scale, store_row
 from .ops import EMPTY, FM, exp_f32, row_max
 from .quants import FM as FM_DOT
 from .quants import stack_f32
@@ -45,21 +51,18 @@ _acc_pv = stack_f32(RB * IC)
 
 
 # ---------------------------------------------------------------- store_kv
-# k, v [T, Hkv, Dh] float32 -> k_cache, v_cache [C, Hkv, Dh] f16 rows pos0 .. pos0+T-1,
-# rounded to nearest even. Single-threaded: T * Hkv * Dh values, a copy.
+# k, v [T, Hkv, Dh] float32 -> k_cache, v_cache rows pos0 .. pos0+T-1 in the cache's type
+# (f16: rounded to nearest even). Single-threaded: T * Hkv * Dh values, a copy.
 
 @njit(cache=True, error_model="numpy")
 def store_kv(k_cache, v_cache, k, v, pos0):
-    """Write k, v [T, Hkv, Dh] as f16 into cache rows pos0 .. pos0 + T - 1."""
+    """Write k, v [T, Hkv, Dh] into cache rows pos0 .. pos0 + T - 1."""
     if pos0 < 0 or pos0 + k.shape[0] > k_cache.shape[0]:
         raise ValueError("store_kv: rows pos0 .. pos0 + T - 1 are outside the KV cache")
     for t in range(k.shape[0]):
         for g in range(k.shape[1]):
-            kd, vd = k_cache[pos0 + t, g], v_cache[pos0 + t, g]
-            ks, vs = k[t, g], v[t, g]
-            for i in range(kd.shape[0]):
-                kd[i] = f32_to_f16(ks[i])
-                vd[i] = f32_to_f16(vs[i])
+            store_row(k_cache[pos0 + t, g], k[t, g])
+            store_row(v_cache[pos0 + t, g], v[t, g])
 
 
 # ---------------------------------------------------------------- decode (T = 1)
@@ -124,6 +127,135 @@ def _decode_pv(acc, p, v_cache, g, lo, n):
                 acc[a0 + a, i] = t
 
 
+# bf16: each key / value row converted to float32 once (kx, vr [Dh]), then the same sums as
+# f16's (scores: 4 rows x 2 keys; P @ V: a row's Dh sums, vectorized).
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _decode_scores_rows(s, qp, k_cache, g, lo, n):
+    """_decode_scores of a bf16 cache (or any type load_row reads)."""
+    Dh = qp.shape[1]
+    kx, ky = np.empty(Dh, np.float32), np.empty(Dh, np.float32)
+    for j0 in range(0, n, 2):
+        j1 = min(j0 + 1, n - 1)
+        load_row(kx, k_cache[lo + j0, g])
+        load_row(ky, k_cache[lo + j1, g])
+        for a0 in range(0, qp.shape[0], RB):
+            q0, q1, q2, q3 = qp[a0], qp[a0 + 1], qp[a0 + 2], qp[a0 + 3]
+            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = np.float32(0.0)
+            for d in range(Dh):
+                x, y = kx[d], ky[d]
+                x0 += q0[d] * x
+                x1 += q1[d] * x
+                x2 += q2[d] * x
+                x3 += q3[d] * x
+                y0 += q0[d] * y
+                y1 += q1[d] * y
+                y2 += q2[d] * y
+                y3 += q3[d] * y
+            s[a0, j0], s[a0 + 1, j0], s[a0 + 2, j0], s[a0 + 3, j0] = x0, x1, x2, x3
+            s[a0, j1], s[a0 + 1, j1], s[a0 + 2, j1], s[a0 + 3, j1] = y0, y1, y2, y3
+
+
+@njit(cache=True, error_model="numpy", fastmath=FM_DOT)
+def _decode_pv_rows(acc, p, v_cache, g, lo, n):
+    """_decode_pv of a bf16 cache (or any type load_row reads)."""
+    R, Dh = acc.shape
+    vr = np.empty(Dh, np.float32)
+    acc[:] = 0.0
+    for j in range(n):
+        load_row(vr, v_cache[lo + j, g])
+        for a in range(R):
+            pa, o = p[a, j], acc[a]
+            for i in range(Dh):
+                o[i] += pa * vr[i]
+
+
+# q8_0 keys: s[a, j] = sum_b d_jb * (qp[a, 32b:32b+32] . q_jb), the int8 sums per block in
+# registers (4 rows x 2 keys), scaled once per block; rows are block_q8_0 bytes (kv_rows.py).
+
+@njit(cache=True, error_model="numpy", fastmath=FM)
+def _decode_scores_q8(s, qp, k_cache, g, lo, n):
+    """_decode_scores of a q8_0 cache."""
+    nb = qp.shape[1] // 32
+    for j0 in range(0, n, 2):
+        j1 = min(j0 + 1, n - 1)
+        kx, ky = k_cache[lo + j0, g], k_cache[lo + j1, g]
+        for a0 in range(0, qp.shape[0], RB):
+            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = np.float32(0.0)
+            for b in range(nb):
+                dx, dy = q8_scale(kx, b), q8_scale(ky, b)
+                cx, cy = kx[34 * b + 2:34 * b + 34], ky[34 * b + 2:34 * b + 34]
+                q0, q1 = qp[a0, 32 * b:32 * b + 32], qp[a0 + 1, 32 * b:32 * b + 32]
+                q2, q3 = qp[a0 + 2, 32 * b:32 * b + 32], qp[a0 + 3, 32 * b:32 * b + 32]
+                u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = np.float32(0.0)
+                for i in range(32):
+                    x = np.float32(np.int8(cx[i]))
+                    y = np.float32(np.int8(cy[i]))
+                    u0 += q0[i] * x
+                    u1 += q1[i] * x
+                    u2 += q2[i] * x
+                    u3 += q3[i] * x
+                    w0 += q0[i] * y
+                    w1 += q1[i] * y
+                    w2 += q2[i] * y
+                    w3 += q3[i] * y
+                x0 += dx * u0
+                x1 += dx * u1
+                x2 += dx * u2
+                x3 += dx * u3
+                y0 += dy * w0
+                y1 += dy * w1
+                y2 += dy * w2
+                y3 += dy * w3
+            s[a0, j0], s[a0 + 1, j0], s[a0 + 2, j0], s[a0 + 3, j0] = x0, x1, x2, x3
+            s[a0, j1], s[a0 + 1, j1], s[a0 + 2, j1], s[a0 + 3, j1] = y0, y1, y2, y3
+
+
+# q8_0 values: as f16's P @ V (4 rows x 16 dims of accumulators), each 16-value slice of v_j
+# converted as d_jb * q (a slice lies in one 32-block: Dh is a multiple of 32).
+
+@njit(cache=True, error_model="numpy", fastmath=FM_DOT)
+def _decode_pv_q8(acc, p, v_cache, g, lo, n):
+    """_decode_pv of a q8_0 cache."""
+    Dh = acc.shape[1]
+    for a0 in range(0, p.shape[0], RB):
+        for i0 in range(0, Dh, IC):
+            o = carray(_acc_pv(), RB * IC)
+            for x in range(RB * IC):
+                o[x] = 0.0
+            b, at = i0 // 32, 34 * (i0 // 32) + 2 + i0 % 32
+            for j in range(n):
+                vr = v_cache[lo + j, g]
+                d, cq = q8_scale(vr, b), v_cache[lo + j, g, at:at + IC]
+                for c in range(IC):
+                    x = d * np.float32(np.int8(cq[c]))
+                    for a in range(RB):
+                        o[a * IC + c] += p[a0 + a, j] * x
+            for a in range(RB):
+                for c in range(IC):
+                    acc[a0 + a, i0 + c] = o[a * IC + c]
+
+
+def decode_scores(s, qp, k_cache, g, lo, n):
+    """s[a, j] = qp[a] . k_j over the cache's type (the loop is picked when compiling)."""
+
+
+def decode_pv(acc, p, v_cache, g, lo, n):
+    """acc[a] = sum_j p[a, j] v_j over the cache's type (the loop is picked when compiling)."""
+
+
+@overload(decode_scores, jit_options={"error_model": "numpy"})
+def _decode_scores_of(s, qp, k_cache, g, lo, n):
+    f = {types.uint16: _decode_scores, types.uint8: _decode_scores_q8}.get(k_cache.dtype, _decode_scores_rows)
+    return lambda s, qp, k_cache, g, lo, n: f(s, qp, k_cache, g, lo, n)
+
+
+@overload(decode_pv, jit_options={"error_model": "numpy"})
+def _decode_pv_of(acc, p, v_cache, g, lo, n):
+    f = {types.uint16: _decode_pv, types.uint8: _decode_pv_q8}.get(v_cache.dtype, _decode_pv_rows)
+    return lambda acc, p, v_cache, g, lo, n: f(acc, p, v_cache, g, lo, n)
+
+
 @njit(cache=True, error_model="numpy", fastmath=FM)
 def _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s):
     """Attention of qp [R, Dh] over keys lo .. hi-1 of kv head g, unnormalised.
@@ -132,7 +264,7 @@ def _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s):
     the first G rows, with s_j = qp . k_j and m = max_j s_j. Scratch: s [R, >= hi - lo].
     """
     n = hi - lo
-    _decode_scores(s, qp, k_cache, g, lo, n)
+    decode_scores(s, qp, k_cache, g, lo, n)
     for a in range(G):  # rows G.. keep their zero scores; their acc is never read
         row = s[a, :n]
         m = row_max(row)
@@ -143,7 +275,7 @@ def _decode_span(acc, ml, qp, G, k_cache, v_cache, g, lo, hi, s):
             tot += e
         ml[a, 0] = m
         ml[a, 1] = tot
-    _decode_pv(acc, s, v_cache, g, lo, n)
+    decode_pv(acc, s, v_cache, g, lo, n)
 
 
 @njit(cache=True, error_model="numpy")
@@ -235,7 +367,7 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks):
 # ---------------------------------------------------------------- attention
 
 def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY, fa=True):
-    """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
+    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dh] may alias q.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
     j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent

@@ -1,4 +1,4 @@
-"""Tiled (flash) causal attention for prompt batches (T > 1) over the f16 KV cache, on CPU.
+"""Tiled (flash) causal attention for prompt batches (T > 1) over the KV cache, on CPU.
 
 Letters: T tokens, H query heads, Hkv kv heads, G = H // Hkv, Dh head dim (as in attention.py);
 BQ tokens per query tile, M = BQ * G query rows of a tile, Mp = M rounded up to MC; BK keys
@@ -6,7 +6,8 @@ per key tile.
 
 A task is one query tile (BQ tokens x the G query heads of kv head g: M rows, row m is token
 t0 + m // G, head g * G + m % G) against the key tiles it can see. Per key tile:
-  1. convert its k, v rows from f16 to float32 once (Kc, Vc [BK, Dh]), used by all M rows;
+  1. convert its k, v rows from the cache's type (f16, bf16, q8_0: kv_rows.py) to float32
+     once (Kc, Vc [BK, Dh]), used by all M rows;
   2. St[j, m] = Kc[j] . Qt[:, m]  (Qt [Dh, Mp] = scale * q, transposed: rows across vector
      lanes, so the micro-kernel broadcasts one key value against 16 rows, 4 keys x 16 rows of
      accumulators in registers); masked entries (causal, window, padding keys) -> -inf;
@@ -23,7 +24,7 @@ unroll fully, so LLVM promotes them to registers: JR * MC and MR * IC are 64 flo
 import numpy as np
 from numba import carray, njit, prange
 
-from .half import f16_to_f32
+from .kv_rows import load_row
 from .ops import FM, _maxnum, exp_f32
 from .quants import FM as FM_DOT
 from .quants import stack_f32
@@ -183,12 +184,8 @@ def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g,
         nk = min(BK, k_hi - k0)
         nkp = (nk + JR - 1) // JR * JR
         for j in range(nk):
-            kr, vr = k_cache[k0 + j, g], v_cache[k0 + j, g]
-            kc, vc = Kc[j], Vc[j]
-            for i in range(Dh):
-                kc[i] = f16_to_f32(kr[i])
-            for i in range(Dh):
-                vc[i] = f16_to_f32(vr[i])
+            load_row(Kc[j], k_cache[k0 + j, g])
+            load_row(Vc[j], v_cache[k0 + j, g])
         for j in range(nk, nkp):
             for i in range(Dh):
                 Kc[j, i] = 0.0
@@ -217,7 +214,7 @@ def _scratch(G, Dh):
 
 # ---------------------------------------------------------------- drivers
 # out, q [T, H, Dh] float32 (out may alias q: a tile reads its q rows before writing them);
-# k_cache, v_cache [C, Hkv, Dh] uint16 holding rows 0 .. pos0 + T - 1; sinks [H] or size 0.
+# k_cache, v_cache [C, Hkv, row] (any cache type) holding rows 0 .. pos0 + T - 1; sinks [H] or size 0.
 
 @njit(cache=True, error_model="numpy")
 def flash_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):

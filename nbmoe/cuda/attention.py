@@ -1,19 +1,21 @@
-"""KV cache store and causal grouped-query attention over an f16 cache, on the GPU.
+"""KV cache store and causal grouped-query attention over the KV cache, on the GPU.
 
 Letters: T tokens in the micro-batch, H query heads, Hkv kv heads, G = H // Hkv query heads per
 kv head, Dh head dim, C cache slots, n keys attended by one query, P key splits.
 
-Cache layout, per layer (as on the CPU): k_cache, v_cache uint16 [C, Hkv, Dh] device arrays of
-f16 bit patterns; attention loads them with ld_f16 (f16 -> float32 in hardware), store_kv
-writes through a float16 view. Token t of the batch sits at position pos[t] = pos[0] + t, where
+Cache layout, per layer (as on the CPU): k_cache, v_cache [C, Hkv, row] device arrays of the
+cache's type (f16: uint16 [C, Hkv, Dh] bit patterns; bf16, q8_0: kv_rows.py), read and written
+by kv_rows' functions of that type (f16: ld_f16, f16 -> float32 in hardware; stores through a
+float16 view). The kernels are built per (key type, value type). Token t of the batch sits at position pos[t] = pos[0] + t, where
 pos is the graph's int32 positions buffer on the device: the kernels read the position there,
 not from a launch argument, so a captured CUDA graph replays unchanged for every token.
 """
 import numpy as np
 from numba import cuda
 
-from . import (device_fn, device_id, expf, flash, ld_f16, or_empty, shfl_idx, shfl_xor, warp_max,
+from . import (device_fn, device_id, expf, flash, or_empty, shfl_idx, shfl_xor, warp_max,
                warp_sum)
+from .kv_rows import kv_type_of, row_fns, write_view
 from .x8 import quantize_lane, unused_x8
 
 f32 = np.float32
@@ -39,19 +41,28 @@ _scratch = {}
 
 
 # ---------------------------------------------------------------- store_kv
-# k, v [T, Hkv, Dh] float32 -> cache rows pos[t] as f16 (round to nearest even).
+# k, v [T, Hkv, Dh] float32 -> cache rows pos[t] in the cache's type (f16: round to nearest
+# even). One thread per value; 32 consecutive threads hold a 32-block (q8_0: Dh % 32 == 0).
 
-@cuda.jit
-def store_kv_kernel(k_cache, v_cache, k, v, pos):
-    Hkv, Dh = k.shape[1], k.shape[2]
-    idx = cuda.grid(1)
-    if idx < k.shape[0] * Hkv * Dh:
-        t = idx // (Hkv * Dh)
-        rem = idx - t * Hkv * Dh
-        g = rem // Dh
-        d = rem - g * Dh
-        k_cache[pos[t], g, d] = np.float16(k[t, g, d])
-        v_cache[pos[t], g, d] = np.float16(v[t, g, d])
+def _store_kv_kernel(Dh, KT, VT):
+    key = ("store", Dh, KT, VT)
+    if key in _kernels:
+        return _kernels[key]
+    store_k, store_v = row_fns(Dh, KT)[3], row_fns(Dh, VT)[3]
+
+    @cuda.jit
+    def store_kv_kernel(k_cache, k16, v_cache, v16, k, v, pos):
+        Hkv = k.shape[1]
+        idx = cuda.grid(1)
+        if idx < k.shape[0] * Hkv * Dh:
+            t = idx // (Hkv * Dh)
+            rem = idx - t * Hkv * Dh
+            g = rem // Dh
+            d = rem - g * Dh
+            store_k(k_cache, k16, pos[t], g, d // 32, d % 32, k[t, g, d])
+            store_v(v_cache, v16, pos[t], g, d // 32, d % 32, v[t, g, d])
+    _kernels[key] = store_kv_kernel
+    return store_kv_kernel
 
 
 def positions(pos, T):
@@ -65,15 +76,15 @@ def positions(pos, T):
 
 
 def store_kv(k_cache, v_cache, k, v, pos, stream=0):
-    """Write k, v [T, Hkv, Dh] as f16 into cache rows pos[t] (pos: device int32 [T] or an int
+    """Write k, v [T, Hkv, Dh] into cache rows pos[t] (pos: device int32 [T] or an int
     pos0 for rows pos0 .. pos0 + T - 1). The caller keeps positions inside the cache."""
     T = k.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > k_cache.shape[0]:
         raise ValueError("store_kv: rows pos0 .. pos0 + T - 1 are outside the KV cache")
     n = T * k.shape[1] * k.shape[2]
     if n:
-        store_kv_kernel[(n + 255) // 256, 256, stream](
-            k_cache.view(np.float16), v_cache.view(np.float16), k, v, positions(pos, T))
+        _store_kv_kernel(k.shape[2], kv_type_of(k_cache), kv_type_of(v_cache))[(n + 255) // 256, 256, stream](
+            k_cache, write_view(k_cache), v_cache, write_view(v_cache), k, v, positions(pos, T))
 
 
 # ---------------------------------------------------------------- attention
@@ -155,32 +166,19 @@ def key_sums8(sc, lane):
     return v + shfl_xor(v, 16)
 
 
-def _attention_kernel(Dh, ROPE=False):
+def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
     DPL = (Dh + 31) // 32
     KV = KU * DPL                   # (local array sizes must be plain constants)
-    k_ = _kernels.get(("attn", Dh, ROPE))
+    k_ = _kernels.get(("attn", Dh, ROPE, KT, VT))
     if k_ is not None:
         return k_
     from .fused import head_rope_fns
     norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
     NEW = SPLIT_MAX_T * DPL         # the batch's new key and value rows, a lane's dims
-
-    @device_fn
-    def q_dot(qv, cache, rb, lane):
-        """This lane's part of q . (the cache row at byte offset rb): dims lane, lane + 32, ..."""
-        s = f32(0.0)
-        for c in range(DPL):
-            d = lane + 32 * c
-            if d < Dh:
-                s += qv[c] * ld_f16(cache, rb, 2 * d)
-        return s
-
-    @device_fn
-    def v_row(vals, i, cache, rb, lane):
-        """vals[i + c] = dim lane + 32 c of the value row at byte offset rb (0 past Dh)."""
-        for c in range(DPL):
-            d = lane + 32 * c
-            vals[i + c] = ld_f16(cache, rb, 2 * d) if d < Dh else f32(0.0)
+    # q_dot: this lane's part of q . (the key row at byte offset rb): dims lane, lane + 32, ...;
+    # v_row: vals[i + c] = dim lane + 32 c of the value row at byte offset rb (0 past Dh)
+    KB, q_dot, _, store_k = row_fns(Dh, KT)
+    VB, _, v_row, store_v = row_fns(Dh, VT)
 
     @cuda.jit
     def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window, sinks,
@@ -203,7 +201,7 @@ def _attention_kernel(Dh, ROPE=False):
         span = (hi - lo + Pa - 1) // Pa
         a = lo + p * span
         b = min(hi, a + span)
-        row = Hkv * Dh * 2                         # bytes of one cache position
+        krow, vrow = Hkv * KB, Hkv * VB            # bytes of one cache position
         qv = cuda.local.array(DPL, f32)
         acc = cuda.local.array(DPL, f32)
         if ROPE:
@@ -253,10 +251,9 @@ def _attention_kernel(Dh, ROPE=False):
                     rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn)
                     if h < H and (wy == 0 or h % G == 0):   # the block's first warp of kv head g
                         for c in range(DPL):
-                            d = lane + 32 * c
-                            if d < Dh:
-                                kc16[j, g, d] = np.float16(vals[c])
-                                vc16[j, g, d] = np.float16(vn[t2 * DPL + c])
+                            if lane + 32 * c < Dh:
+                                store_k(k_cache, kc16, j, g, c, lane, vals[c])
+                                store_v(v_cache, vc16, j, g, c, lane, vn[t2 * DPL + c])
             cuda.syncthreads()                     # the new rows, seen by the whole block
         else:
             for c in range(DPL):
@@ -267,12 +264,13 @@ def _attention_kernel(Dh, ROPE=False):
         tot = f32(0.0)
         for j0 in range(a, b, 32):
             nk = min(32, b - j0)
-            kb = (j0 * Hkv + g) * Dh * 2           # byte offset of key j0's row
+            kb = (j0 * Hkv + g) * KB               # byte offset of key j0's row
+            vb = (j0 * Hkv + g) * VB               # and of its value row
             s_mine = NEG_INF                       # lane jj: the score of key j0 + jj
             for j1 in range(0, nk, KU):            # KU keys' loads in flight, then their sums
                 sc = cuda.local.array(KU, f32)
                 for u in range(KU):
-                    sc[u] = q_dot(qv, k_cache, kb + min(j1 + u, nk - 1) * row, lane)
+                    sc[u] = q_dot(qv, k_cache, kb + min(j1 + u, nk - 1) * krow, lane)
                 s = key_sums8(sc, lane)            # key j1 + lane % 8's (j1: a multiple of 8)
                 if j1 <= lane and lane < j1 + KU and lane < nk:
                     s_mine = s
@@ -287,7 +285,7 @@ def _attention_kernel(Dh, ROPE=False):
                 vals = cuda.local.array(KV, f32)
                 for u in range(KU):
                     pv[u] = shfl_idx(pj, j1 + u)
-                    v_row(vals, u * DPL, v_cache, kb + min(j1 + u, nk - 1) * row, lane)
+                    v_row(vals, u * DPL, v_cache, vb + min(j1 + u, nk - 1) * vrow, lane)
                 for u in range(KU):
                     for c in range(DPL):
                         acc[c] += pv[u] * vals[u * DPL + c]
@@ -317,7 +315,7 @@ def _attention_kernel(Dh, ROPE=False):
                     part_ml[p, t, h, 0] = m
                     part_ml[p, t, h, 1] = tot
 
-    _kernels[("attn", Dh, ROPE)] = attention_kernel
+    _kernels[("attn", Dh, ROPE, KT, VT)] = attention_kernel
     return attention_kernel
 
 
@@ -392,7 +390,8 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
-    if fa and flash_used(T, Dh):
+    f16 = k_cache.dtype == np.uint16 and v_cache.dtype == np.uint16    # (flash stages f16 tiles)
+    if fa and flash_used(T, Dh) and f16:
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
     _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None,
@@ -437,7 +436,7 @@ def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, msca
     do_norm = wq is not None
     if not do_norm:
         wq = wk = _buffer("no_norm", (1,))                    # typed stand-ins, never read
-    rope = (k, v, k_cache.view(np.float16), v_cache.view(np.float16), wq, wk, float(eps),
+    rope = (k, v, write_view(k_cache), write_view(v_cache), wq, wk, float(eps),
             do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))
     _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, _sinks(sinks, H))
 
@@ -451,7 +450,7 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope,
         P = min(MAX_SPLITS, cap // SPLIT_KEYS)
     hb = min(HEADS_PER_BLOCK, H)
     grid = (T, (H + hb - 1) // hb, P)
-    kern = _attention_kernel(Dh, rope is not None)
+    kern = _attention_kernel(Dh, rope is not None, kv_type_of(k_cache), kv_type_of(v_cache))
     quant = xq is not None
     if quant and (Dh % 32 or T > SPLIT_MAX_T):
         raise ValueError("attention: 8-bit output needs Dh % 32 == 0 and T <= SPLIT_MAX_T")

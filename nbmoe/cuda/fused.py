@@ -508,13 +508,16 @@ def head_rope_fns(Dh):
 _head_rope = {}
 
 
-def _norm_rope_store_kernel(Dh):
+def _norm_rope_store_kernel(Dh, KT="f16", VT="f16"):
     DPL = (Dh + 31) // 32
     norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
 
     def build():
+        from .kv_rows import row_fns
+        store_k, store_v = row_fns(Dh, KT)[3], row_fns(Dh, VT)[3]
+
         @cuda.jit
-        def norm_rope_store_kernel(q, k, v, k_cache, v_cache, pos, wq, wk, eps, do_norm,
+        def norm_rope_store_kernel(q, k, v, k_cache, kc16, v_cache, vc16, pos, wq, wk, eps, do_norm,
                                    n_rot, neox, rope):
             sh = cuda.shared.array((8, 8 * 32), f32)     # a warp's head (Dh <= 256, 8 warps)
             H, Hkv = q.shape[1], k.shape[1]
@@ -541,7 +544,7 @@ def _norm_rope_store_kernel(Dh):
             cuda.syncthreads()
             if kind < 2:
                 rope_from_shared(vals, sh, wy, lane, n_rot, neox, cs, sn)
-            if hh < H + 2 * Hkv:
+            if hh < H + 2 * Hkv:             # (kind: the same for the whole warp)
                 p = pos[t]
                 for c in range(DPL):
                     d = lane + 32 * c
@@ -550,11 +553,11 @@ def _norm_rope_store_kernel(Dh):
                             q[t, h, d] = vals[c]
                         elif kind == 1:
                             k[t, h, d] = vals[c]
-                            k_cache[p, h, d] = np.float16(vals[c])
+                            store_k(k_cache, kc16, p, h, c, lane, vals[c])
                         else:
-                            v_cache[p, h, d] = np.float16(vals[c])
+                            store_v(v_cache, vc16, p, h, c, lane, vals[c])
         return norm_rope_store_kernel
-    return cached(("norm_rope_store", Dh), build)
+    return cached(("norm_rope_store", Dh, KT, VT), build)
 
 
 ROPE_WARPS = 4
@@ -578,8 +581,9 @@ def rope_table(n_pos, freqs, mscale):
 
 def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, neox, stream=0):
     """q [T, H, Dh], k, v [T, Hkv, Dh] (device): [per-head RMS norm with wq / wk (None: no
-    norm)], RoPE of q and k in place, then k and v as f16 into cache rows pos[t] (pos a
-    device int32 [T]). Dh <= 256."""
+    norm)], RoPE of q and k in place, then k and v into cache rows pos[t] in the cache's
+    type (kv_rows.py; pos a device int32 [T]). Dh <= 256."""
+    from .kv_rows import kv_type_of, write_view
     T, H, Dh = q.shape
     Hkv = k.shape[1]
     if Dh > 256:
@@ -588,6 +592,7 @@ def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, 
     if not do_norm:
         wq = wk = pos          # typed stand-ins, never read
     n = H + 2 * Hkv
-    _norm_rope_store_kernel(Dh)[(T, (n + ROPE_WARPS - 1) // ROPE_WARPS), (32, ROPE_WARPS), stream](
-        q, k, v, k_cache.view(np.float16), v_cache.view(np.float16), pos, wq, wk, float(eps),
+    _norm_rope_store_kernel(Dh, kv_type_of(k_cache), kv_type_of(v_cache))[
+        (T, (n + ROPE_WARPS - 1) // ROPE_WARPS), (32, ROPE_WARPS), stream](
+        q, k, v, k_cache, write_view(k_cache), v_cache, write_view(v_cache), pos, wq, wk, float(eps),
         do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))

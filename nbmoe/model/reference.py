@@ -3,13 +3,15 @@
 It shares nothing with the engine's kernels (weights are dequantized by gguf-py), so the
 tests can hold the engine's logits against it. It reads only the fields of ModelConfig
 (arch.py), as forward.py's graph does. It processes a whole sequence from position 0;
-keys and values are rounded through float16 as the engine's f16 KV cache does.
+keys and values are rounded as the engine's KV cache holds them (KV_TYPES: f16 by default).
 Legend: T tokens, D model dim, H / Hkv heads, Dh head dim, E experts, A active experts, F width.
 """
 import numpy as np
 from gguf import GGMLQuantizationType, dequantize
 
 from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, config_from_meta
+
+KV_TYPES = ("f16", "f16")      # the cache's key and value types (-ctk, -ctv) the keys go through
 
 
 def load(path):
@@ -30,6 +32,24 @@ def weight(tensors, name):
     else:
         w = dequantize(t.data, t.ggml_type)
     return np.asarray(w, np.float64).reshape(t.shape)
+
+
+def cache_round(x, kv_type):
+    """x [..., n] as a cache of kv_type holds it: f16; bf16 (the top half of an f32, rounded to
+    nearest even); q8_0 (per 32 values d = max|x| / 127 as f16, q = round(x / d) in int8)."""
+    if kv_type == "f16":
+        return np.asarray(x).astype(np.float16).astype(np.float64)
+    x32 = np.asarray(x, np.float32)
+    if kv_type == "bf16":
+        u = x32.view(np.uint32).astype(np.uint64)
+        top = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        return (top << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    b = x32.reshape(x32.shape[:-1] + (-1, 32))
+    d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    v = (b * inv).astype(np.float32)
+    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+    return (q * d.astype(np.float16).astype(np.float64)).reshape(x32.shape)
 
 
 def rms_norm(x, w, eps):
@@ -161,7 +181,7 @@ def gqa_attention(h, W, B, p, cfg, pos, il):
         k = rms_norm(k, W(p + "attn_k_norm.weight"), eps)
     freqs = cfg.rope_freqs(il)                    # per layer: local layers may differ
     q, k = (rope(z, pos, freqs, f.rope_neox, cfg.rope_mscale) for z in (q, k))
-    k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+    k, v = cache_round(k, KV_TYPES[0]), cache_round(v, KV_TYPES[1])
     sinks = W(p + "attn_sinks.weight") if cfg.has("attn_sinks.weight") else None
     return attention(q, k, v, cfg.attn_scale, cfg.layer_window(il), sinks).reshape(T, H * Dh)
 
@@ -183,7 +203,8 @@ def mla_attention(h, W, p, cfg, pos, freqs):
     kv = h @ W(p + "attn_kv_a_mqa.weight").T                                         # [T, R + Dr]
     latent = rms_norm(kv[:, :R], W(p + "attn_kv_a_norm.weight"), eps)               # [T, R]
     k_pe = rope(kv[:, None, R:], pos, freqs, neox, ms)                              # [T, 1, Dr]
-    latent, k_pe = (z.astype(np.float16).astype(np.float64) for z in (latent, k_pe))
+    row = cache_round(np.concatenate([latent, k_pe[:, 0]], -1), KV_TYPES[0])     # the cache's row
+    latent, k_pe = row[:, :R], row[:, None, R:]
     k_nope = np.einsum("tr,hrd->thd", latent, W(p + "attn_k_b.weight"))             # [T, H, Dn]
     k = np.concatenate([k_nope, np.repeat(k_pe, H, axis=1)], -1)                     # [T, H, Dn+Dr]
     v = np.einsum("tr,hdr->thd", latent, W(p + "attn_v_b.weight"))                  # [T, H, Dv]

@@ -8,8 +8,9 @@ more requests than slots wait in a queue.
 import argparse
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_model_args, add_placement_args, add_repack_arg, err_console,
-                              friendly_errors, placement_kwargs, resolve_model, warm_up)
+from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
+                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+                              loading, mpi_ranks, placement_kwargs, resolve_model, warm_up)
 
 
 def parse_args(argv=None):
@@ -26,7 +27,10 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--alias", default=None, help="the model name the API reports (default: the file name)")
     add_repack_arg(p)
+    add_flash_attn_arg(p)
     add_placement_args(p)
+    add_moe_args(p)
+    add_cache_type_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     if args.parallel < 1:
@@ -40,14 +44,17 @@ def parse_args(argv=None):
 def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
-    with friendly_errors():
+    with mpi_ranks(args, args.threads), friendly_errors():
         import uvicorn
         from nbmoe.engine import load
         from nbmoe.server.app import create_app
         path = resolve_model(args.model)
-        with err_console.status(f"loading {path}"):
+        with loading(f"loading {path}"):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
-                       repack=args.run_time_repack, n_slots=args.parallel, **placement_kwargs(args))
+                       repack=args.run_time_repack, n_slots=args.parallel,
+                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                       **placement_kwargs(args))
+        err_console.print(llm.kv.summary())
         warm_up(llm)
         app = create_app(llm, alias=args.alias, api_key=args.api_key)
         err_console.print(f"[bold]nbmoe[/] serving {llm.cfg.arch} model {path} on "
