@@ -206,13 +206,11 @@ def test_good_edge_values_accepted():
                          "--top-k", "0", "--min-p", "0", "-zce", "0"])
     assert (a.n_predict, a.ctx_size, a.seed) == (-1, 0, -1)
     b = bench.parse_args(["-p", "0", "-n", "4", "-ngl", "0,99", "-rtr", "0,1", "-zce", "auto,2",
-                          "-fa", "1,0,auto,OFF"])
+                          "-fa", "1,0,auto,OFF", "-ctk", "f16,q8_0", "-ctv", "bf16"])
     assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
     assert b.fa_list == ["on", "off", "auto", "off"]
-    assert chat.parse_args(["-fa", "off"]).flash_attn == "off" and chat.parse_args([]).flash_attn is None
-                          "-ctk", "f16,q8_0", "-ctv", "bf16"])
-    assert b.ngl_list == [0, 99] and b.rtr_list == [False, True] and b.zce_list == ["auto", 2]
     assert (b.cache_type_k, b.cache_type_v) == (["f16", "q8_0"], ["bf16"])
+    assert chat.parse_args(["-fa", "off"]).flash_attn == "off" and chat.parse_args([]).flash_attn is None
 
 
 def warnings_of(r):
