@@ -216,7 +216,8 @@ def main(argv=None):
             llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
                        repack=args.run_time_repack, cache_type_k=args.cache_type_k,
                        cache_type_v=args.cache_type_v, **placement_kwargs(args))
-        err_console.print(llm.kv.summary())
+        if (llm.kv.type_k, llm.kv.type_v) != ("f16", "f16"):     # the memory a quantized cache saves
+            err_console.print(llm.kv.summary())
         warm_up(llm)
         chat = Chat(llm, args)
         repl(chat, f"[bold]nbmoe[/] chatting with {llm.cfg.arch} model {path} "
