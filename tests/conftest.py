@@ -105,13 +105,12 @@ def early(*argv, **env):
 
 @pytest.hookimpl(trylast=True)           # after -k / -m / --deselect have removed theirs
 def pytest_collection_modifyitems(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):     # -n: every worker collects every test;
+        return                                  # each starts its own when it runs them
     for item in items:
         spec = getattr(getattr(item, "function", None), "_early", None)
         if spec is not None and item.nodeid not in _EARLY:
-            argv, env = spec
-            env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-            _EARLY[item.nodeid] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.PIPE, text=True)
+            _EARLY[item.nodeid] = _start(*spec)
 
 
 def pytest_sessionfinish():
@@ -122,4 +121,11 @@ def pytest_sessionfinish():
 
 @pytest.fixture
 def early_process(request):
+    if request.node.nodeid not in _EARLY:
+        _EARLY[request.node.nodeid] = _start(*request.function._early)
     return _EARLY[request.node.nodeid]
+
+
+def _start(argv, env):
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
