@@ -86,6 +86,10 @@ def test_openai_client_chat_and_completions(server, client):
                                   temperature=0, stop=[word, "zzz"])
     assert s.choices[0].finish_reason == "stop" and s.choices[0].text == c.choices[0].text.split(word)[0]
     assert [m.id for m in client.models.list().data] == ["smol"]
+    # llama-server's ignore_eos: past the end-of-generation tokens, to max_tokens
+    e = client.chat.completions.create(model="smol", messages=HI, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert e.choices[0].finish_reason == "length" and e.usage.completion_tokens == 24
 
 
 def test_two_clients_at_once(server, client):
@@ -134,6 +138,7 @@ def test_a_client_that_goes_away_frees_its_slot(server, client):
     ("/v1/chat/completions", {"messages": HI, "temperature": "hot"}, KEY, 400, "'temperature' must be a number"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, KEY, 400, "'n' must be 1"),
     ("/v1/completions", {"prompt": 5}, KEY, 400, "'prompt' must be a string"),
+    ("/v1/completions", {"prompt": "Hi", "ignore_eos": "yes"}, KEY, 400, "'ignore_eos' must be"),
     ("/v1/chat/completions", {"messages": HI, "model": "gpt-4"}, KEY, 404, "the model 'gpt-4' does not exist"),
     ("/v1/completions", {"prompt": "word " * 600}, KEY, 400, "exceed a slot's context of 512"),
     ("/v1/completions", {"prompt": "Hi " * 20, "max_tokens": 500}, KEY, 400, "plus max_tokens 500 exceed"),

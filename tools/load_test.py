@@ -119,7 +119,8 @@ def one_request(http, url, body, headers, stats):
 def client(i, args, url, deadline, stats, warm=False):
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     body = {"prompt": f"Story number {i}. Once upon a time", "max_tokens": args.max_tokens,
-            "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}     # every request generates max_tokens
     with httpx.Client(timeout=120) as http:
         while True:
             try:

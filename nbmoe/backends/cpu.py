@@ -160,7 +160,7 @@ class Backend:
         layer = node.params["layer"]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
         extra = {} if self.sinks(node) is None else {"sinks": self.sinks(node)}
-        extra["fa"] = self.use_flash(q.shape[0], q.shape[-1])
+        extra["fa"] = self.use_flash(q.shape[0], q.shape[len(q.shape) - 1])
         # the cache arrays are looked up at run time: state.kv is the active slot's (engine.py)
         if self.positions_on_device:     # kernels read the position from the pos buffer
             def run():

@@ -33,6 +33,7 @@ class Request:
     include_usage: bool = False
     max_tokens: int | None = None      # None: until the context is full
     stop: list = field(default_factory=list)
+    ignore_eos: bool = False           # llama-server's: go on past end-of-generation tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt_ids: list = field(default_factory=list)
 
@@ -89,6 +90,7 @@ def parse_request(body, chat):
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     req.stop = [s for s in stop or [] if s]
+    req.ignore_eos = _get(body, "ignore_eos", (bool,), False)
     d = SamplingParams()
     seed = _get(body, "seed", (int,))
     req.sampling = SamplingParams(

@@ -30,6 +30,7 @@ class Job:
     def __init__(self, req, emit):
         self.ids, self.max_tokens, self._emit = list(req.prompt_ids), req.max_tokens, emit
         self.sampler = Sampler(req.sampling)
+        self.ignore_eos = req.ignore_eos
         self.chat = req.chat
         self.stops = StopScanner(req.stop)
         self.cancelled = False
@@ -142,7 +143,7 @@ class SlotWorker:
             if job.todo:
                 return
         tok = job.sampler.sample(job.logits, llm.tokens)
-        if tok in llm.tokenizer.stop_ids:
+        if tok in llm.tokenizer.stop_ids and not job.ignore_eos:
             return self._finish(job, "stop")
         job.n_gen += 1
         if self._send(job, job.text.push(tok)):
