@@ -12,7 +12,7 @@ import sys
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
 from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
                               add_placement_args, add_repack_arg, err_console, friendly_errors,
-                              loading, mpi_ranks, placement_kwargs, resolve_model, warm_up)
+                              mpi_ranks, open_model, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
 HELP = """commands:
@@ -210,14 +210,8 @@ def main(argv=None):
     one_line_warnings()
     args = parse_args(argv)
     with mpi_ranks(args, args.threads), friendly_errors():
-        from nbmoe.engine import load
         path = resolve_model(args.model)
-        with loading(f"loading {path}"):
-            llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
-                       repack=args.run_time_repack, cache_type_k=args.cache_type_k,
-                       cache_type_v=args.cache_type_v, **placement_kwargs(args))
-        if (llm.kv.type_k, llm.kv.type_v) != ("f16", "f16"):     # the memory a quantized cache saves
-            err_console.print(llm.kv.summary())
+        llm = open_model(args, path)
         warm_up(llm)
         chat = Chat(llm, args)
         repl(chat, f"[bold]nbmoe[/] chatting with {llm.cfg.arch} model {path} "

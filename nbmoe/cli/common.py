@@ -226,6 +226,19 @@ def loading(message):
         yield
 
 
+def open_model(args, path, **extra):
+    """The model of a chat or a server, from its flags (-c -t -ub -rtr -ctk -ctv, placement),
+    with the loading spinner, and the cache's size when it is quantized."""
+    from nbmoe.engine import load
+    with loading(f"loading {path}"):
+        llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
+                   repack=args.run_time_repack, cache_type_k=args.cache_type_k,
+                   cache_type_v=args.cache_type_v, **placement_kwargs(args), **extra)
+    if (llm.kv.type_k, llm.kv.type_v) != ("f16", "f16"):     # the memory a quantized cache saves
+        err_console.print(llm.kv.summary())
+    return llm
+
+
 def warm_up(llm):
     """Compile (or load from the on-disk cache) the kernels of the paths a chat takes, a few
     tokens, one token and a prompt's batch (16 different tokens: its experts see many tokens

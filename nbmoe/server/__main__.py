@@ -10,7 +10,7 @@ import argparse
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
 from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
                               add_placement_args, add_repack_arg, err_console, friendly_errors,
-                              loading, mpi_ranks, placement_kwargs, resolve_model, warm_up)
+                              mpi_ranks, open_model, resolve_model, warm_up)
 
 
 def parse_args(argv=None):
@@ -46,15 +46,9 @@ def main(argv=None):
     args = parse_args(argv)
     with mpi_ranks(args, args.threads), friendly_errors():
         import uvicorn
-        from nbmoe.engine import load
         from nbmoe.server.app import create_app
         path = resolve_model(args.model)
-        with loading(f"loading {path}"):
-            llm = load(path, n_ctx=args.ctx_size, threads=args.threads, n_ubatch=args.ubatch_size,
-                       repack=args.run_time_repack, n_slots=args.parallel,
-                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                       **placement_kwargs(args))
-        err_console.print(llm.kv.summary())
+        llm = open_model(args, path, n_slots=args.parallel)
         warm_up(llm)
         app = create_app(llm, alias=args.alias, api_key=args.api_key)
         err_console.print(f"[bold]nbmoe[/] serving {llm.cfg.arch} model {path} on "

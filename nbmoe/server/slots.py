@@ -16,7 +16,6 @@ frees the slot at the worker's next step.
 """
 import collections
 import threading
-import time
 
 from nbmoe.server.protocol import usage
 from nbmoe.server.stops import StopScanner
