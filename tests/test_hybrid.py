@@ -303,32 +303,6 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
         assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
 
-def test_prefetch_steps_aside_for_a_skewed_router(tiny_model, monkeypatch):
-    """Whole tensors go up ahead (pairs per expert patched down to 1) while batches choose
-    most experts; after a batch that chose half (a skewed router: 2 of 4 experts almost never
-    chosen), the next uploads only the chosen ones, unless --upload-all-experts. The logits
-    stay the CPU's."""
-    from nbmoe.backends import cuda as backend_cuda
-    monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 2)
-    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1)
-    skewed = tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0",
-                        router_skew=0.5)
-    for every in (False, True):
-        llm = load(skewed, n_gpu_layers=99, override_tensors=["exps=CPU"], upload_all_experts=every)
-        gpu, sent = llm.backends["CUDA0"], []
-        for ids in ([3, 44, 100, 7], [9, 12, 250, 31]):
-            llm.reset()
-            assert close(llm.eval(ids), cpu_logits(skewed, ids))
-            sent.append((gpu.prefetched_uploads, gpu.uploaded_bytes))
-        exps = sum(t.n_bytes for n, t in llm.weights.items() if "_exps." in n)
-        other = sent[0][1] - exps                    # (the output matrix, offloaded too)
-        assert sent[0][0] == 3                       # the first batch: gate, up, down whole
-        if every:
-            assert sent[1] == (6, 2 * sent[0][1])
-        else:                                        # the second: the 2 chosen experts of 4
-            assert sent[1] == (3, sent[0][1] + other + exps // 2)
-
-
 def test_fused_moe_op_switch(model):
     """-fmoe 1: the experts' gate and up (MUL_MAT_ID_GLU, op id 16) have an -op switch of
     their own, at the expert threshold: off, they stay on the CPU for a batch of 64 while the

@@ -5,8 +5,8 @@ Weights placed on a GPU are uploaded once at load. A matrix op whose weight live
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
 each run into a scratch buffer; for expert products only the experts the router chose are
 uploaded (their ids come to the host first, a few bytes), unless the batch makes them all
-likely chosen and its previous batch chose most of them, or --upload-all-experts asks for
-whole tensors (PrefetchChain); uploaded_bytes counts what went up. PCIe runs several times faster
+likely chosen or --upload-all-experts asks for whole tensors (PrefetchChain); uploaded_bytes
+counts what went up. PCIe runs several times faster
 from page-locked than from pageable memory, so on first use the span of the file mapping
 that holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads
 then read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
@@ -70,20 +70,15 @@ def device_names():
 # Offloaded expert products with at least this many (token, expert) pairs per expert upload
 # every expert of the tensor, without waiting for the router (at 4 pairs per expert, an expert
 # goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
-# on a copy stream so that the next tensor's upload overlaps this one's product...
+# on a copy stream so that the next tensor's upload overlaps this one's product.
 PREFETCH_PAIRS_PER_EXPERT = 4
-# ... unless its previous batch chose fewer than this share of its experts (a skewed router):
-# then it waits for the router and uploads the chosen ones, fewer bytes without the overlap.
-WHOLE_MIN_SPREAD = 0.6
 
 
 class PrefetchChain:
     """The offloaded expert tensors of one plan, in run order, uploaded whole through two
-    device slots: the copy stream fills slot p % 2 with the p-th whole tensor while the compute
-    stream works on the one before from the other slot. Events order the two streams: a
-    product waits for its upload; an upload waits until the product that last used its slot
-    is done. At each run of the plan (begin) a tensor whose previous batch chose fewer than
-    WHOLE_MIN_SPREAD of its experts leaves the chain: it uploads its chosen experts itself."""
+    device slots: the copy stream fills slot i % 2 with tensor i while the compute stream
+    works on tensor i - 1 from the other slot. Events order the two streams: a product waits
+    for its upload; an upload waits until the product that last used its slot is done."""
 
     def __init__(self, backend):
         cuda = backend.cuda
@@ -92,63 +87,40 @@ class PrefetchChain:
         self.uploaded = []                           # per tensor: its upload's event
         self.freed = [cuda.event(), cuda.event()]    # per slot: its last product's event
         self.slots = None
-        self.spread = []          # per tensor: the share of experts its last batch chose
-        self.seen = {}            # tensor -> (host copy of its ids, event): a batch to count
-        self.order, self.pos = [], {}
 
     def add(self, host):
         self.hosts.append(host)
         self.uploaded.append(self.backend.cuda.event())
-        self.spread.append(None)
         self.slot_bytes = max(self.slot_bytes, host.nbytes)
         return len(self.hosts) - 1
 
-    def begin(self):
-        """A new run of the plan: count the experts the last run's batches chose, pick the
-        tensors that go up whole, start the first two uploads."""
-        for i, (ids_host, ev) in self.seen.items():
-            ev.synchronize()
-            self.spread[i] = np.unique(ids_host).size / self.hosts[i].shape[0]
-        self.seen = {}
-        whole = self.backend.upload_all
-        self.order = [i for i, sp in enumerate(self.spread)
-                      if whole or sp is None or sp >= WHOLE_MIN_SPREAD]
-        self.pos = {i: p for p, i in enumerate(self.order)}
-        for p in range(min(2, len(self.order))):
-            self._upload(p)
-
-    def whole(self, i):
-        return i in self.pos
-
-    def _upload(self, p):
+    def _upload(self, i):
         if self.slots is None:
             self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(2)]
             for ev in self.freed:
                 ev.record(self.backend.stream)
-        i = self.order[p]
-        host, slot = self.hosts[i], self.slots[p % 2]
-        self.freed[p % 2].wait(self.copy_stream)
+        host, slot = self.hosts[i], self.slots[i % 2]
+        self.freed[i % 2].wait(self.copy_stream)
         slot[:host.nbytes].copy_to_device(host.reshape(-1), stream=self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
         self.backend.prefetched_uploads += 1
         self.backend.uploaded_bytes += host.nbytes
 
     def wait(self, i):
-        """The device copy of whole tensor i, once the compute stream has waited for its upload."""
+        """The device copy of tensor i, once the compute stream has waited for its upload."""
+        if i == 0:                                   # a new run of the plan: start both slots
+            self._upload(0)
+            if len(self.hosts) > 1:
+                self._upload(1)
         self.uploaded[i].wait(self.backend.stream)
         host = self.hosts[i]
-        return self.slots[self.pos[i] % 2][:host.nbytes].reshape(host.shape)
+        return self.slots[i % 2][:host.nbytes].reshape(host.shape)
 
-    def done(self, i, ids, ids_host, ev):
-        """Tensor i's product is queued: its slot takes the tensor two places on once that
-        product ran; its batch's ids come to the host, counted at the next begin."""
-        p = self.pos[i]
-        self.freed[p % 2].record(self.backend.stream)
-        if p + 2 < len(self.order):
-            self._upload(p + 2)
-        ids.copy_to_host(ids_host, stream=self.backend.stream)
-        ev.record(self.backend.stream)
-        self.seen[i] = ids_host, ev
+    def done(self, i):
+        """Tensor i's product is queued: its slot takes tensor i + 2 once that product ran."""
+        self.freed[i % 2].record(self.backend.stream)
+        if i + 2 < len(self.hosts):
+            self._upload(i + 2)
 
 
 def _runs(sorted_ids):
@@ -403,6 +375,19 @@ class CUDABackend(FusionBinders, Backend):
         out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])
+        if self.upload_all or ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]:
+            # every expert is (almost surely) chosen, or --upload-all-experts: upload them
+            # all, ahead of time
+            chain = getattr(buf, "prefetch_chain", None)      # one chain per plan
+            if chain is None:
+                chain = buf.prefetch_chain = PrefetchChain(self)
+            i = chain.add(host)
+
+            def run_prefetched():
+                w = chain.wait(i)
+                mm.mul_mat_id(out, w, x, ids, qtype)
+                chain.done(i)
+            return run_prefetched
         w_all = self.scratch_buffer("mul_mat_id", host.shape)
         local_ids = self.alloc(ids.shape, np.int32)
         ids_host = cuda.pinned_array(ids.shape, np.int32)
@@ -417,24 +402,4 @@ class CUDABackend(FusionBinders, Backend):
             local_ids.copy_to_device(np.searchsorted(used, ids_host).astype(np.int32))
             self.last_uploaded = len(used)
             mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)
-        if not (self.upload_all or ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]):
-            return run
-        # every expert is (almost surely) chosen, or --upload-all-experts: upload them all,
-        # ahead of time, while the batches keep choosing most of them
-        chain = getattr(buf, "prefetch_chain", None)      # one chain per plan
-        if chain is None:
-            chain = buf.prefetch_chain = PrefetchChain(self)
-        i = chain.add(host)
-        seen, seen_event = cuda.pinned_array(ids.shape, np.int32), cuda.event()
-
-        def run_prefetched():
-            if i == 0:
-                chain.begin()
-            if not chain.whole(i):
-                run()
-                chain.spread[i] = self.last_uploaded / host.shape[0]
-                return
-            w = chain.wait(i)
-            mm.mul_mat_id(out, w, x, ids, qtype)
-            chain.done(i, ids, seen, seen_event)
-        return run_prefetched
+        return run
