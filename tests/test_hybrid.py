@@ -436,52 +436,6 @@ def test_zero_copy_check_tool(capsys):
     assert "bit-identical to device copies" in capsys.readouterr().out
 
 
-def _family_model(tiny_model, family):
-    """A tiny model of each family with every variant it has (tests/conftest.py TINY), smaller
-    in the simulator: gpt-oss (biases, sinks, a window, YaRN, clamped SwiGLU, softmax over the
-    chosen), glm4moe (a dense layer 0, sigmoid routing with a selection bias and a scale, a
-    shared expert, q/k/v biases, partial RoPE, a NextN block left unread), deepseek2 (MLA with
-    its latent cache, q lora, sigmoid + bias + groups, shared expert)."""
-    if family == "gpt-oss":
-        return tiny_model("gpt-oss", n_layer=1 if cuda_setup.SIM else 2,
-                          sliding_window=2 if cuda_setup.SIM else 8,
-                          types=[("exps", "MXFP4")], default_type="Q8_0")
-    if family == "glm4moe":
-        shape = dict(n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_expert_used=2,
-                     n_ff_exp=32, n_layer=2) if cuda_setup.SIM else {}
-        return tiny_model("glm4moe", types=[("exps", "Q4_0")], default_type="Q8_0", **shape)
-    from conftest import DEEPSEEK_V3
-    mla = dict(DEEPSEEK_V3["mla"], n_dense=0 if cuda_setup.SIM else 1)
-    return tiny_model("deepseek2", **{**DEEPSEEK_V3, "mla": mla},
-                      n_layer=1 if cuda_setup.SIM else 2, default_type="Q8_0")
-
-
-@pytest.mark.parametrize("placement", [
-    dict(n_gpu_layers=99),
-    dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),                     # -zce auto
-    pytest.param(dict(n_gpu_layers=99, override_tensors=["exps=CPU"], zero_copy_experts=0),
-                 marks=pytest.mark.skipif(cuda_setup.SIM, reason="CI time: real GPU only")),
-])
-@pytest.mark.parametrize("family", ["gpt-oss", "glm4moe", "deepseek2"])
-def test_family_hybrid_equals_cpu(tiny_model, family, placement):
-    """Each family's variants on the GPU and split: the CPU engine's logits, batched and token
-    by token. On a GPU the prompt has more tokens than the matrix-vector kernels take: grouped
-    expert products, whose grouping by expert each layer makes anew."""
-    if cuda_setup.SIM and family != "gpt-oss" and placement == dict(n_gpu_layers=99):
-        pytest.skip("CI time: the simulator runs the split placement of these (real GPU: all)")
-    path = _family_model(tiny_model, family)
-    long = not cuda_setup.SIM and family != "deepseek2"
-    ids = PROMPT + ([5, 9, 250, 33, 12, 7, 64, 3, 91] if long else [5, 9])
-    llm = load(path, **placement)
-    assert "CUDA0" in llm.backends
-    assert not [n for n in llm.placement if n.startswith(f"blk.{llm.cfg.n_layer}.")]   # NextN
-    assert close(llm.eval(ids), cpu_logits(path, ids), rel=5e-4)
-    ref = nbmoe.load(path, n_ctx=64, threads=2)
-    ref.eval(ids)
-    for tok in (17, 200, 5, 9) if long else (17, 200):
-        assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
-
-
 @pytest.mark.parametrize("fa", ["on", "off"])
 def test_flash_attn_on_off_equal_cpu(whole, fa):
     """-fa on / off on the GPU: a 3-token prompt (past the decoding kernel's 2) on the flash
