@@ -75,9 +75,10 @@ class Terminal:
             assert time.monotonic() < end and self.proc.poll() is None, self.text()[-2000:]
             self._read(0.05)
 
-    def wait_reply(self, n_chars=20, timeout=300):
+    def wait_reply(self, n_chars=200, timeout=300):
         """Wait until the line editor has handed the terminal back (signals on: Ctrl-C is
-        SIGINT again) and `n_chars` more characters of the reply have arrived."""
+        SIGINT again) and `n_chars` more characters have arrived: more than the line editor's
+        last redraw, so the reply is running (a Ctrl-C between the two is ignored)."""
         end = time.monotonic() + timeout
         while self.in_raw_mode():
             assert time.monotonic() < end, "the terminal stayed in raw mode"
