@@ -21,8 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
-                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+from nbmoe.cli.common import (add_engine_args, add_model_args, err_console, friendly_errors,
                               mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, gpu_info, human, int_list, load_config, model_facts,
                                parse_lists, print_json_csv, table_console)
@@ -44,11 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--timings", action="store_true",
                    help="print the time per op type, copies and overhead of each test "
                         "(per token; GPU steps are waited for; in recorded CUDA graphs each op is timed by CUDA events)")
-    add_repack_arg(p, lists=True)
-    add_flash_attn_arg(p, lists=True)
-    add_placement_args(p, lists=True)
-    add_moe_args(p, lists=True)
-    add_cache_type_args(p, lists=True)
+    add_engine_args(p, lists=True)
     args = p.parse_args(argv)
     parse_lists(p, args)
     if not any(args.n_prompt + args.n_gen):

@@ -10,8 +10,7 @@ import argparse
 import sys
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
-                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+from nbmoe.cli.common import (add_engine_args, add_model_args, err_console, friendly_errors,
                               mpi_ranks, open_model, resolve_model, warm_up)
 from nbmoe.errors import NbmoeError
 
@@ -42,11 +41,7 @@ def parse_args(argv=None):
     p.add_argument("-sys", "--system-prompt", default=None, help="system message")
     p.add_argument("--ignore-eos", action="store_true",
                    help="go on past the model's end-of-generation tokens (to -n or the context's end)")
-    add_repack_arg(p)
-    add_flash_attn_arg(p)
-    add_placement_args(p)
-    add_moe_args(p)
-    add_cache_type_args(p)
+    add_engine_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     args.threads = check_threads(p, args.threads)

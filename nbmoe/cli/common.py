@@ -123,6 +123,14 @@ def cache_types(v):
     return [cache_type(x.strip()) for x in str(v).split(",") if x.strip()] or [cache_type(v)]
 
 
+def add_engine_args(p, lists=False):
+    """Every flag that shapes the engine a tool runs: -rtr -fa, placement, -fmoe
+    --upload-all-experts, -ctk -ctv (bench and sweep: comma lists)."""
+    for add in (add_repack_arg, add_flash_attn_arg, add_placement_args, add_moe_args,
+                add_cache_type_args):
+        add(p, lists=lists)
+
+
 def zce_value(v):
     """-zce: 'auto' or a count of experts."""
     if v == "auto":

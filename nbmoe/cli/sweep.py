@@ -21,8 +21,7 @@ import numpy as np
 from rich.table import Table
 
 from nbmoe.cli.checks import Parser, one_line_warnings
-from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
-                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+from nbmoe.cli.common import (add_engine_args, add_model_args, err_console, friendly_errors,
                               mpi_ranks, resolve_model)
 from nbmoe.cli.measure import (configs, explain, int_list, load_config, model_facts, parse_lists,
                                print_json_csv, table_console)
@@ -50,11 +49,7 @@ def parse_args(argv=None):
                    help="measure nothing: draw --plot from the runs in these -o json files")
     p.add_argument("--explain", action="store_true",
                    help="print where every tensor lives, the schedule and the attention kernels")
-    add_repack_arg(p, lists=True)
-    add_flash_attn_arg(p, lists=True)
-    add_moe_args(p, lists=True)
-    add_cache_type_args(p, lists=True)
-    add_placement_args(p, lists=True)
+    add_engine_args(p, lists=True)
     args = p.parse_args(argv)
     if args.plot_from is not None:
         if not args.plot:

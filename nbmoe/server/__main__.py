@@ -8,8 +8,7 @@ more requests than slots wait in a queue.
 import argparse
 
 from nbmoe.cli.checks import Parser, check_threads, check_values, one_line_warnings
-from nbmoe.cli.common import (add_cache_type_args, add_flash_attn_arg, add_model_args, add_moe_args,
-                              add_placement_args, add_repack_arg, err_console, friendly_errors,
+from nbmoe.cli.common import (add_engine_args, add_model_args, err_console, friendly_errors,
                               mpi_ranks, open_model, resolve_model, warm_up)
 
 
@@ -26,11 +25,7 @@ def parse_args(argv=None):
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--alias", default=None, help="the model name the API reports (default: the file name)")
-    add_repack_arg(p)
-    add_flash_attn_arg(p)
-    add_placement_args(p)
-    add_moe_args(p)
-    add_cache_type_args(p)
+    add_engine_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
     if args.parallel < 1:
