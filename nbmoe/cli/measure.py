@@ -23,13 +23,12 @@ def int_list(s):
 
 
 def parse_lists(p, args):
-    """The comma lists of -ngl -ub -rtr -zce -fa -fmoe --upload-all-experts (and -t) checked, as args.<name>_list; one
-    line and exit 2 for a bad value."""
+    """The comma lists of -ngl -ub -rtr -zce -fa -fmoe --upload-all-experts (and -t) checked,
+    as args.<name>_list; one line and exit 2 for a bad value."""
     # -fmoe / --upload-all-experts: a table column only when given (as llama-bench's)
-    args.show_fmoe = getattr(args, "fused_moe", None) is not None
-    args.show_uae = getattr(args, "upload_all_experts", None) is not None
-    args.fused_moe = "1" if getattr(args, "fused_moe", None) is None else args.fused_moe
-    args.upload_all_experts = "0" if getattr(args, "upload_all_experts", None) is None else args.upload_all_experts
+    args.show_fmoe, args.show_uae = args.fused_moe is not None, args.upload_all_experts is not None
+    args.fused_moe = "1" if args.fused_moe is None else args.fused_moe
+    args.upload_all_experts = "0" if args.upload_all_experts is None else args.upload_all_experts
     lists = {dest: int_list_arg(p, dest, getattr(args, dest))
              for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack", "fused_moe",
                           "upload_all_experts")}
