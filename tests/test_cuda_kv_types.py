@@ -93,3 +93,25 @@ def test_flash_attention_over_quantized_caches(types):
     out = poisoned(q.shape)
     att.attention(out, dev(q), kc, vc, dev(np.arange(pos0, pos0 + T, dtype=np.int32)), 0.125)
     check(f"flash {types[0]}/{types[1]}", out.copy_to_host(), ref, 4e-3)
+
+
+def test_engine_prompt_over_q8_0_cache_equals_cpu(tiny_model, monkeypatch):
+    """-ctk q8_0 -ctv q8_0 with every layer on the GPU: a 3-token prompt (the flash kernel,
+    as --explain records) gives the CPU engine's logits over the same cache types (both on
+    their float paths; the GPU rounds q, P and the cache values to f16)."""
+    import nbmoe
+    from nbmoe.cpu import matmul
+    from nbmoe.cuda import matmul as cuda_matmul
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    monkeypatch.setattr(cuda_matmul, "INT8_DOT", False)
+    path = tiny_model("qwen3moe", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=32, n_ff=64,
+                      n_expert=4, n_expert_used=2, n_ff_exp=32, types=[("exps", "Q4_0")],
+                      default_type="Q8_0")
+    ids = [1, 17, 200]
+    kw = dict(n_ctx=16, threads=2, cache_type_k="q8_0", cache_type_v="q8_0")
+    want = nbmoe.load(path, **kw).eval(ids)
+    llm = nbmoe.load(path, n_gpu_layers=99, override_tensors=["^output=CPU"], flash_attn="on", **kw)
+    got = llm.eval(ids)
+    assert llm.backends["CUDA0"].attn_paths[(3, 32)] == "flash"
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
