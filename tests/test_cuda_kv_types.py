@@ -112,6 +112,8 @@ def test_engine_prompt_over_q8_0_cache_equals_cpu(tiny_model, monkeypatch):
     want = nbmoe.load(path, **kw).eval(ids)
     llm = nbmoe.load(path, n_gpu_layers=99, override_tensors=["^output=CPU"], flash_attn="on", **kw)
     got = llm.eval(ids)
+    from nbmoe.cli.measure import attention_lines
     assert llm.backends["CUDA0"].attn_paths[(3, 32)] == "flash"
+    assert "attention on CUDA0 (-fa on, -ctk q8_0 -ctv q8_0): 3 tokens: flash" in attention_lines(llm)
     assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
