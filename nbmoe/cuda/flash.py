@@ -16,7 +16,8 @@ tiles in f16 whatever the cache's type: a row is Dh / 2 32-bit words of 2 f16, t
 the low half, which is the order of an mma register (kv_rows.pair_fn makes a word from a row
 of each type). The kernel is compiled per (key type, value type): no type test in its loops.
 Rounding: q * scale, the probabilities P and bf16 / q8_0 cache values (d * q) go to f16
-(relative error 2^-11 each); S, the softmax statistics and O are float32.
+(relative error 2^-11 each; a bf16 value past f16's range, |x| > 65504, would become inf);
+S, the softmax statistics and O are float32.
 """
 import numpy as np
 from numba import cuda
