@@ -81,10 +81,16 @@ class _Watch(event.Listener):
 def model_key(llm, purpose):
     """What decides which kernels compile: the command's purpose, the architecture and the
     (buffer type, weight type) pairs of its matrices, repacked or not (unplaced tensors, a
-    NextN block's, are never read)."""
+    NextN block's, are never read), -fmoe and the KV cache's types."""
     pairs = sorted({(llm.placement[n][0], int(t.ggml_type)) for n, t in llm.file.tensors.items()
                     if len(t.ne) >= 2 and n in llm.placement})
-    return f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))} {pairs}"
+    key = f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))} {pairs}"
+    kv = getattr(llm, "kv", None)
+    if not getattr(llm, "fused_moe", True):
+        key += " fmoe=0"
+    if kv is not None and (kv.type_k, kv.type_v) != ("f16", "f16"):
+        key += f" kv={kv.type_k}/{kv.type_v}"
+    return key
 
 
 def _record_path():
@@ -142,6 +148,7 @@ def start_ahead(llm, batches):
     if llm.repacked:
         cmd.append("-rtr")
     cmd += ["-fa", llm.flash_attn]     # the prompts' attention kernel (-fa off: the plain one)
+    cmd += ["-fmoe", str(int(llm.fused_moe)), "-ctk", llm.kv.type_k, "-ctv", llm.kv.type_v]
     try:
         _ahead = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)

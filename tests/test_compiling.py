@@ -71,3 +71,29 @@ def test_no_helper_process_for_a_model_with_gpu_layers(monkeypatch):
     compiling.start_ahead(llm, [16])
     assert compiling._ahead is None
     compiling.wait_ahead()              # nothing to wait for
+
+
+def test_compile_command_passes_cache_types_and_fmoe(monkeypatch):
+    """python -m nbmoe.compile -ctk/-ctv (comma lists: every combination) and -fmoe load the
+    engine each way, so that the attention kernels of those cache types compile; the helper
+    process of a cold start gets the running engine's -fmoe, -ctk and -ctv."""
+    import nbmoe.engine
+    from nbmoe.cli import compile as cli_compile
+    loads = []
+    monkeypatch.setattr(nbmoe.engine, "load", lambda path, **kw: loads.append(kw) or kw)
+    monkeypatch.setattr(cli_compile, "compile_batches", lambda llm, batches: None)
+    cli_compile.main(["-m", "x.gguf", "-ctk", "f16,q8_0", "-ctv", "bf16", "-fmoe", "0", "--quiet"])
+    assert [(kw["cache_type_k"], kw["cache_type_v"], kw["fused_moe"]) for kw in loads] == [
+        ("f16", "bf16", False), ("q8_0", "bf16", False)]
+
+    started = []
+    monkeypatch.setattr(compiling, "_ahead", None)
+    monkeypatch.setattr(compiling.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    llm = fake_llm()
+    llm.path, llm.n_ubatch, llm.flash_attn, llm.fused_moe = "x.gguf", 16, "auto", False
+    llm.kv = types.SimpleNamespace(type_k="q8_0", type_v="q8_0")
+    compiling.start_ahead(llm, [16])
+    cmd = " ".join(started[0])
+    assert "-fmoe 0" in cmd and "-ctk q8_0 -ctv q8_0" in cmd
+    assert compiling.model_key(llm, "chat").endswith("fmoe=0 kv=q8_0/q8_0")
+    monkeypatch.setattr(compiling, "_ahead", None)

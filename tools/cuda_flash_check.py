@@ -1,11 +1,11 @@
 """Check and time flash attention (nbmoe/cuda/flash.py, f16 tensor cores) on a GPU against the
 warp-per-query kernel (attention.py with fa=False), one line per case:
 
-    PYTHONUNBUFFERED=1 python tools/cuda_flash_check.py [--tiles 4x64x2,8x64x1] [-n 5]
+    PYTHONUNBUFFERED=1 python tools/cuda_flash_check.py [--tiles 4x64x2,8x64x1] [-n 5] [-ctk q8_0 -ctv q8_0]
 
 Cases (a Qwen3-30B-A3B layer: H=32 query heads, Hkv=4 kv heads, Dh=128): prompts of T=512 and
 T=2048 tokens from position 0 (context = T), and T=512 after 1000 earlier positions. Random
-q, k, v (the cache written by store_kv). Error: max |flash - warp kernel| / max |warp kernel|
+q, k, v (the cache, of the -ctk / -ctv types, written by store_kv). Error: max |flash - warp kernel| / max |warp kernel|
 (flash rounds q * scale and P to f16: ~1e-3). TFLOP/s = 4 T n H Dh / time (n: keys a query
 sees on average, pos0 + (T + 1) / 2), time the median of CUDA-event-timed calls after a
 warm-up. --tiles adds flash configurations WARPSxKEYS[xMIN_BLOCKS] (query rows 16 WARPS, keys
@@ -24,6 +24,7 @@ from numba import cuda  # noqa: E402
 
 from nbmoe.cuda import attention as att  # noqa: E402
 from nbmoe.cuda import flash  # noqa: E402
+from nbmoe.model.kv_cache import KV_TYPES, row_layout  # noqa: E402
 from cuda_matmul_bench import time_ms  # noqa: E402
 
 TOL = 5e-3
@@ -40,6 +41,8 @@ def main():
     ap.add_argument("--heads", default="32,4,128", help="H,Hkv,Dh")
     ap.add_argument("--cases", default="512:0,2048:0,512:1000", help="T:pos0, comma-separated")
     ap.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
+    ap.add_argument("-ctk", default="f16", choices=KV_TYPES, help="KV cache type of the keys")
+    ap.add_argument("-ctv", default="f16", choices=KV_TYPES, help="KV cache type of the values")
     a = ap.parse_args()
     t_start = time.time()
     name = getattr(cuda.get_current_device(), "name", "CUDA simulator")
@@ -48,7 +51,8 @@ def main():
     configs = [default] + [tuple(int(v) for v in c.split("x")) + default[len(c.split("x")):]
                            for c in a.tiles.split(",") if c]
     H, Hkv, Dh = (int(v) for v in a.heads.split(","))
-    print(f"{name.decode() if isinstance(name, bytes) else name}: H={H} Hkv={Hkv} Dh={Dh} window={a.window}, "
+    print(f"{name.decode() if isinstance(name, bytes) else name}: H={H} Hkv={Hkv} Dh={Dh} window={a.window} "
+          f"cache {a.ctk}/{a.ctv}, "
           f"flash tile {'x'.join(map(str, default))} (WARPSxKEYSxMIN_BLOCKS)", flush=True)
     rng = np.random.default_rng(0)
     scale = 1.0 / np.sqrt(Dh)
@@ -56,8 +60,8 @@ def main():
     for case in a.cases.split(","):
         T, pos0 = (int(v) for v in case.split(":"))
         C = pos0 + T
-        kc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
-        vc = cuda.to_device(np.zeros((C, Hkv, Dh), np.uint16))
+        kc, vc = (cuda.to_device(np.zeros((C,) + row, dt))
+                  for row, dt in (row_layout(t, Hkv, Dh) for t in (a.ctk, a.ctv)))
         kv = lambda: cuda.to_device(rng.standard_normal((C, Hkv, Dh), dtype=np.float32))   # noqa: E731
         att.store_kv(kc, vc, kv(), kv(), 0)
         q = cuda.to_device(rng.standard_normal((T, H, Dh), dtype=np.float32) * 2)

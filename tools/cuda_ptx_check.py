@@ -1,5 +1,5 @@
 """Compile the int8 tensor-core kernels (nbmoe/cuda/matmul_mma.py), or with --flash the f16 flash
-attention kernel (nbmoe/cuda/flash.py), or with --mmv the int8 decode matrix-vector kernels
+attention kernel (nbmoe/cuda/flash.py, per KV cache type: --kv), or with --mmv the int8 decode matrix-vector kernels
 (matmul.py, fused.py, on mmv_q8.row_dot_fn), to PTX for sm_90 on a machine without a GPU, and
 assemble them with ptxas: catches typing and inline-asm errors, and prints registers, spills and
 shared memory per kernel.
@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
     ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
+    ap.add_argument("--kv", default="f16/f16,q8_0/q8_0,bf16/bf16",
+                    help="with --flash: the KV cache's key/value types, comma-separated")
     ap.add_argument("--mmv", action="store_true", help="the int8 decode matrix-vector kernels instead "
                     "(--types; the decode model's shapes: K = 2048, 768, 4096)")
     a = ap.parse_args()
@@ -98,16 +100,21 @@ def assemble(ptx, path, ptxas):
 
 def check_flash(a):
     from nbmoe.cuda import flash
-    f32, u16 = types.float32[:, :, ::1], types.uint16[:, :, ::1]
-    sig = (f32, f32, u16, u16, types.int32[::1], types.float32, types.int64)
+    f32 = types.float32[:, :, ::1]
+    cache = {"f16": types.uint16[:, :, ::1], "bf16": types.int16[:, :, ::1], "q8_0": types.uint8[:, :, ::1]}
     bad = 0
     for Dh in (int(v) for v in a.flash.split(",")):
-        kern, nth, _ = flash._flash_kernel(Dh, 4, flash.WARPS, flash.KEYS, flash.MIN_BLOCKS)
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
-        ok, info = assemble(ptx, os.path.join(a.keep or tempfile.mkdtemp(), f"flash_{Dh}.ptx"), a.ptxas)
-        print(f"flash Dh={Dh} {nth} threads, {ptx.count('mma.sync')} mma, {ptx.count('ld.local')} ld.local in PTX: "
-              f"{'OK' if ok else 'FAILED'} {info}", flush=True)
-        bad += not ok
+        for kt, vt in (tuple(p.split("/")) for p in a.kv.split(",")):
+            kern, nth, _ = flash._flash_kernel(Dh, 4, kt, vt, flash.WARPS, flash.KEYS, flash.MIN_BLOCKS)
+            sig = (f32, f32, cache[kt], cache[vt], types.int32[::1], types.float32, types.int64,
+                   types.float32[::1])
+            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),
+                                      launch_bounds=kern.targetoptions.get("launch_bounds"))
+            ok, info = assemble(ptx, os.path.join(a.keep or tempfile.mkdtemp(), f"flash_{Dh}_{kt}_{vt}.ptx"),
+                                a.ptxas)
+            print(f"flash Dh={Dh} {kt}/{vt} {nth} threads, {ptx.count('mma.sync')} mma, "
+                  f"{ptx.count('ld.local')} ld.local in PTX: {'OK' if ok else 'FAILED'} {info}", flush=True)
+            bad += not ok
     return 1 if bad else 0
 
 

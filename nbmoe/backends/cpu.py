@@ -28,6 +28,12 @@ def chosen_slots(node, a):
     return a if s is None else a[:, s[0]:s[1]]
 
 
+def kv_types(state, layer):
+    """(key type, value type) of the layer's cache (every slot's is the same)."""
+    from nbmoe.model.kv_cache import kv_type_of
+    return kv_type_of(state.kv.k[layer]), kv_type_of(state.kv.v[layer])
+
+
 class Backend:
     name = "?"
     mm = ops = attn = moe = None        # kernel modules, set by subclasses
@@ -143,10 +149,12 @@ class Backend:
         name = node.params.get("sinks")
         return self.vector(name) if name else None
 
-    def use_flash(self, T, Dh):
-        """-fa: whether ATTN of T tokens, head dim Dh binds the flash kernel. auto and on take
-        it where the backend has one (attn.flash_used); on records a prompt shape without one."""
-        fa = self.flash_attn != "off" and self.attn.flash_used(T, Dh)
+    def use_flash(self, T, Dh, kv_types=("f16", "f16")):
+        """-fa: whether ATTN of T tokens, head dim Dh over a cache of kv_types (key, value)
+        binds the flash kernel. auto and on take it where the backend has one
+        (attn.flash_used, the predicate its attention() follows too); on records a prompt
+        shape without one."""
+        fa = self.flash_attn != "off" and self.attn.flash_used(T, Dh, kv_types)
         if self.attn.decoding(T):
             self.attn_paths[(T, Dh)] = "one-token kernel"
         else:
@@ -160,7 +168,7 @@ class Backend:
         layer = node.params["layer"]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
         extra = {} if self.sinks(node) is None else {"sinks": self.sinks(node)}
-        extra["fa"] = self.use_flash(q.shape[0], q.shape[len(q.shape) - 1])
+        extra["fa"] = self.use_flash(q.shape[0], q.shape[len(q.shape) - 1], kv_types(state, layer))
         # the cache arrays are looked up at run time: state.kv is the active slot's (engine.py)
         if self.positions_on_device:     # kernels read the position from the pos buffer
             def run():

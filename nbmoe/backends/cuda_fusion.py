@@ -18,7 +18,7 @@ one the group's binder leaves).
 """
 import numpy as np
 
-from nbmoe.backends.cpu import _act, _labelled, _rows2d, chosen_slots
+from nbmoe.backends.cpu import _act, _labelled, _rows2d, chosen_slots, kv_types
 from nbmoe.sched import fusion
 
 
@@ -244,7 +244,7 @@ class FusionBinders:
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
             self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
 
-        fa = self.use_flash(T, Dh)
+        fa = self.use_flash(T, Dh, kv_types(state, layer))
         if attn.rope_supported(T, Dh):    # one launch (decoding)
             def rope_attention():
                 kc, vc = kv()

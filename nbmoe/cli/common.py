@@ -85,11 +85,7 @@ def add_placement_args(p, lists=False):
 def add_moe_args(p, lists=False):
     """-fmoe (as ik_llama.cpp) and --upload-all-experts (bench: comma lists of 0 / 1, shown
     as table columns when given)."""
-    p.add_argument("-fmoe", "--fused-moe", default=None if lists else 1,
-                   type=str if lists else int,
-                   help="1: the experts' gate, up and activation as one op, MUL_MAT_ID_GLU (its own "
-                        "-op switch; fused kernels for small batches); 0: three separate ops" +
-                        (" (comma list; default 1)" if lists else " (default 1)"))
+    add_fused_moe_arg(p, lists)
     if lists:
         p.add_argument("--upload-all-experts", default=None,
                        help="1: an offloaded expert product uploads its whole tensor, not only the "
@@ -98,6 +94,15 @@ def add_moe_args(p, lists=False):
         p.add_argument("--upload-all-experts", action="store_true",
                        help="an offloaded expert product uploads its whole tensor, not only the "
                             "experts the router chose")
+
+
+def add_fused_moe_arg(p, lists=False):
+    """-fmoe, as ik_llama.cpp (bench: a comma list of 0 / 1)."""
+    p.add_argument("-fmoe", "--fused-moe", default=None if lists else 1,
+                   type=str if lists else int,
+                   help="1: the experts' gate, up and activation as one op, MUL_MAT_ID_GLU (its own "
+                        "-op switch; fused kernels for small batches); 0: three separate ops" +
+                        (" (comma list; default 1)" if lists else " (default 1)"))
 
 
 def add_cache_type_args(p, lists=False):

@@ -152,10 +152,12 @@ def explain(llm, ubatch):
 def attention_lines(llm):
     """The attention kernel each backend bound per batch size (after its plans were made)."""
     lines = []
+    kv = (llm.kv.type_k, llm.kv.type_v)
+    flags = f"-fa {llm.flash_attn}" + (f", -ctk {kv[0]} -ctv {kv[1]}" if kv != ("f16", "f16") else "")
     for name, be in llm.backends.items():
         paths = ", ".join(f"{t} token{'s' * (t > 1)}: {k}" for (t, dh), k in sorted(be.attn_paths.items()))
         if paths:
-            lines.append(f"attention on {name} (-fa {llm.flash_attn}): {paths}")
+            lines.append(f"attention on {name} ({flags}): {paths}")
         if be.no_flash:
             lines.append(f"  -fa on: no flash kernel on {name} for head dim "
                          f"{', '.join(map(str, sorted(be.no_flash)))}: plain kernel")

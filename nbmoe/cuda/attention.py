@@ -28,8 +28,8 @@ HEADS_PER_BLOCK = 4
 # capacity, at most MAX_SPLITS of them, merged by a second kernel. A warp walks its keys one
 # after the other (latency-bound), so many short spans keep more warps busy.
 SPLIT_MAX_T = 2
-# Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py) when Dh allows (flash.supported)
-# and attention()'s fa is on (-fa auto / on); else the warp-per-query kernel below.
+# Prompts (T > SPLIT_MAX_T) on f16 tensor cores (flash.py, any cache type) when Dh allows
+# (flash.supported) and attention()'s fa is on (-fa auto / on); else the warp-per-query kernel.
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
 # Keys a split takes at least while the cache holds few (see active_splits); 0: every split
@@ -369,7 +369,7 @@ def _buffer(name, shape):
 
 def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None,
               sinks=None, fa=True):
-    """Causal GQA attention of q [T, H, Dh] over the f16 cache; out [T, H, Dh] may alias q.
+    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dh] may alias q.
 
     pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
     The cache must already hold rows 0 .. pos[T-1] (store_kv first). window > 0 limits each
@@ -381,7 +381,8 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     sinks: float32 [H] device array or None / EMPTY (cuda.empty()): head h's softmax gets one
     more logit, sinks[h] (not scaled), whose value is 0 (gpt-oss):
       out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)).
-    fa: a prompt batch takes flash.py's kernel where flash_used(T, Dh) (-fa off: never).
+    fa: a prompt batch takes flash.py's kernel where flash_used(T, Dh, the cache's types)
+    (-fa off: never).
     """
     T, H, Dh = q.shape
     sinks = _sinks(sinks, H)
@@ -390,18 +391,18 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
-    f16 = k_cache.dtype == np.uint16 and v_cache.dtype == np.uint16    # (flash stages f16 tiles)
-    if fa and flash_used(T, Dh) and f16:
+    if fa and flash_used(T, Dh, (kv_type_of(k_cache), kv_type_of(v_cache))):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
     _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None,
             sinks)
 
 
-def flash_used(T, Dh):
-    """Whether a batch of T tokens with head dim Dh has a flash kernel (flash.py): prompts
-    only (decoding has its key-split kernel), Dh as flash.supported allows."""
-    return T > SPLIT_MAX_T and flash.supported(Dh)
+def flash_used(T, Dh, kv_types=("f16", "f16")):
+    """Whether a batch of T tokens with head dim Dh over a cache of these (key, value) types
+    has a flash kernel (flash.py): prompts only (decoding has its key-split kernel), Dh as
+    flash.supported allows."""
+    return T > SPLIT_MAX_T and flash.supported(Dh, kv_types)
 
 
 def decoding(T):

@@ -1,5 +1,6 @@
 """Flash attention for prompts on f16 tensor cores (mma.sync m16n8k16, mma.py): attention.py calls
-it for T > SPLIT_MAX_T tokens unless -fa is off, when Dh is a multiple of 16 (at most MAX_DH).
+it for T > SPLIT_MAX_T tokens unless -fa is off, when Dh is a multiple of 16 (at most MAX_DH),
+over a KV cache of any type (f16, bf16, q8_0: its tiles are converted to f16 as they are staged).
 
 Letters as in attention.py: T tokens, H query heads, Hkv kv heads, G = H // Hkv query heads per kv
 head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
@@ -8,16 +9,21 @@ head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
     over keys j <= pos0 + t, and j > pos0 + t - window when window > 0; with sinks, one more
     logit sinks[h] (not scaled) of value 0 in each softmax (gpt-oss)
 
-Layouts: q, out float32 [T, H, Dh] (out may alias q); k_cache, v_cache uint16 [C, Hkv, Dh] of f16
-bit patterns (a cache row: Dh f16 = Dh / 2 32-bit words of 2 f16, the lower dim in the low half,
-which is the order of an mma register); pos int32 [T] on the device, pos[t] = pos[0] + t.
-Rounding: q * scale and the probabilities P go to f16 (relative error 2^-11 each); S, the
-softmax statistics and O are float32.
+Layouts: q, out float32 [T, H, Dh] (out may alias q); k_cache, v_cache [C, Hkv, row] of the
+cache's type (model/kv_cache.py: f16 uint16 [C, Hkv, Dh], bf16 int16 [C, Hkv, Dh], q8_0 uint8
+[C, Hkv, Dh/32 * 34]); pos int32 [T] on the device, pos[t] = pos[0] + t. Shared memory holds
+tiles in f16 whatever the cache's type: a row is Dh / 2 32-bit words of 2 f16, the lower dim in
+the low half, which is the order of an mma register (kv_rows.pair_fn makes a word from a row
+of each type). The kernel is compiled per (key type, value type): no type test in its loops.
+Rounding: q * scale, the probabilities P and bf16 / q8_0 cache values (d * q) go to f16
+(relative error 2^-11 each; a bf16 value past f16's range, |x| > 65504, would become inf);
+S, the softmax statistics and O are float32.
 """
 import numpy as np
 from numba import cuda
 
 from . import SIM, expf, ld_f32, ld_u32, or_empty, shfl_xor, st_f32
+from .kv_rows import kv_type_of, pair_fn, row_fns
 from .mma import mma_f16_16x8x16, pack_f16x2
 
 f32 = np.float32
@@ -37,9 +43,12 @@ MIN_BLOCKS = 2
 _kernels = {}
 
 
-def supported(Dh):
+def supported(Dh, kv_types=("f16", "f16")):
     """Dh a multiple of 16 (the mma's k) whose Dh / 2 words a row divide a block's threads
-    (staging: 16, 32, 64, 128 with 4 warps; not 48, 80, 96, 112), at most MAX_DH."""
+    (staging: 16, 32, 64, 128 with 4 warps; not 48, 80, 96, 112), at most MAX_DH; a q8_0
+    cache (blocks of 32 values) needs Dh % 32 == 0, as the cache itself does."""
+    if "q8_0" in kv_types and Dh % 32:
+        return False
     return Dh % 16 == 0 and Dh <= MAX_DH and (32 * WARPS) % (Dh // 2) == 0
 
 
@@ -49,7 +58,9 @@ def supported(Dh):
 # hk * G + i, so the G heads that share K / V share every staged tile. The block owns rows
 # tile * BQ .. + BQ - 1; warp w rows + 16 w .. + 15 (one m16 tile); past T * G: q = 0, no store.
 #
-#   one key step (keys j0 .. j0 + BK - 1), shared memory in 32-bit words of 2 f16:
+#   one key step (keys j0 .. j0 + BK - 1), shared memory in 32-bit words of 2 f16 (a thread
+#   makes each word it stages from the cache's row with pair(): bf16 and q8_0 convert there,
+#   once a tile; a warp's 32 threads read consecutive words of a row, coalesced):
 #     Ks [BK, SK]   key jj: its Dh / 2 words               SK = Dh / 2 + 4
 #     Vt [Dh, SV]   dim d: keys (2i, 2i + 1) in word i      SV = BK / 2 + 4
 #   (both strides are 4 mod 8: the fragment loads of a warp, rows g = 0..7 x words t = 0..3,
@@ -69,8 +80,8 @@ def supported(Dh):
 # unused cache row may hold NaN, and 0 * NaN = NaN).
 # out may alias q: a warp reads its rows of q before the loop and writes the same rows last.
 
-def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
-    key = (Dh, Hkv, WARPS, KEYS, MIN_BLOCKS)
+def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
+    key = (Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS)
     if key in _kernels:
         return _kernels[key]
     NTH = 32 * WARPS
@@ -85,11 +96,14 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
     SV = BK // 2 + 4
     KS, VS = BK * SK, Dh * SV   # array sizes (a shape must be a constant, not an expression)
     NQ, NO, NS = 4 * DK, 4 * DN, 4 * NT
-    row = Hkv * Dh * 2          # bytes of a cache position (Hkv is compiled in: constant offsets)
+    HBK, HBV = row_fns(Dh, KT)[0], row_fns(Dh, VT)[0]     # bytes of a (position, kv head) row
+    krow, vrow = Hkv * HBK, Hkv * HBV   # bytes of a cache position (Hkv compiled in: constant offsets)
+    (klane, kpair), (vlane, vpair) = pair_fn(KT), pair_fn(VT)
     RP = NTH // DW              # staging: cache rows a pass of the block's threads covers
     NK = BK // RP               # K words a thread stages a step
     NV = BK // 2 // RP          # V word pairs a thread stages a step
-    assert supported(Dh) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
+    SAME = KT == VT
+    assert supported(Dh, (KT, VT)) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
 
     @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
     def flash_kernel(out, q, k_cache, v_cache, pos, scale, window, sinks):
@@ -150,22 +164,27 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
         l_b = f32(0.0)
         kr = tid // DW                                # staging: key (pair) and word of this thread
         w = tid - kr * DW
+        kw = klane(w)                                 # byte offsets of word w in a cache row
+        vw = vlane(w)
         kfrag = 4 * (g * SK + t4)                     # byte offsets of this lane's fragment words
         vfrag = 4 * (g * SV + t4)
 
         for j0 in range(lo, hi, BK):
             # 1. stage K (rows) and V (transposed) of keys j0 ..: a thread takes word w of
             # keys kr + RP i (V: of key pairs kr + RP i), all loads of a matrix before its stores
-            kb = (j0 * Hkv + hk) * Dh * 2 + kr * row + 4 * w
+            kb = (j0 * Hkv + hk) * HBK + kr * krow + kw     # key kr
             for i in range(NK):
-                kst[i] = ld_u32(k_cache, kb, i * RP * row) if j0 + kr + RP * i < hi else u32(0)
+                kst[i] = kpair(k_cache, kb, i * RP * krow, w) if j0 + kr + RP * i < hi else u32(0)
             for i in range(NK):
                 Ks[(kr + RP * i) * SK + w] = kst[i]
-            vb = kb + kr * row                        # key 2 kr (pair kr)
+            if SAME:                                    # key 2 kr (pair kr)
+                vb = kb + kr * krow
+            else:
+                vb = (j0 * Hkv + hk) * HBV + 2 * kr * vrow + vw
             for i in range(NV):
                 j = j0 + 2 * (kr + RP * i)
-                vst0[i] = ld_u32(v_cache, vb, 2 * i * RP * row) if j < hi else u32(0)
-                vst1[i] = ld_u32(v_cache, vb, (2 * i * RP + 1) * row) if j + 1 < hi else u32(0)
+                vst0[i] = vpair(v_cache, vb, 2 * i * RP * vrow, w) if j < hi else u32(0)
+                vst1[i] = vpair(v_cache, vb, (2 * i * RP + 1) * vrow, w) if j + 1 < hi else u32(0)
             for i in range(NV):
                 a, b = vst0[i], vst1[i]               # dims (2w, 2w + 1) of keys 2 jp, 2 jp + 1
                 jp = kr + RP * i
@@ -265,9 +284,10 @@ def _flash_kernel(Dh, Hkv, WARPS, KEYS, MIN_BLOCKS):
 
 def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, sinks=None):
     """attention.attention for prompts: q, out [T, H, Dh] (out may alias q), pos a device int32
-    array [T], sinks float32 [H] or None / EMPTY; supported(Dh) must hold."""
+    array [T], sinks float32 [H] or None / EMPTY; supported(Dh, the cache types) must hold."""
     T, H, Dh = q.shape
     G = H // k_cache.shape[1]
-    kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], WARPS, KEYS, MIN_BLOCKS)
+    kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], kv_type_of(k_cache), kv_type_of(v_cache),
+                                  WARPS, KEYS, MIN_BLOCKS)
     grid = ((T * G + bq - 1) // bq, k_cache.shape[1])
     kern[grid, nth, stream](out, q, k_cache, v_cache, pos, f32(scale), int(window), or_empty(sinks))

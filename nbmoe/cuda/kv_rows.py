@@ -15,16 +15,27 @@ row_fns(Dh, kv_type) gives, as device functions compiled into the caller (one ty
                                     lanes call it for q8_0 (a warp max makes the block's d)
 cache16 is write_view(cache): a float16 view (f16, q8_0's d) or the int16 cache itself (bf16).
 q8_0 quantizes as the CPU does: d = max|x| / 127, q = round(x / d) halves away from zero.
+
+pair_fn(kv_type) gives, for the flash kernel's tiles (flash.py), where a thread stages words:
+  lane_off(w)                       byte offset in a row where word w's data starts (f16,
+                                    bf16: the word itself; q8_0: its block)
+  pair(cache, base, off, w)         dims 2w, 2w + 1 of the row at byte base + off - lane_off(w)
+                                    as one word of two f16, the lower dim in the low half (f16:
+                                    the bits; bf16: to f32 by a shift, rounded to f16; q8_0:
+                                    d * q in f32, rounded to f16: d and one 16-bit load of 2 q)
 """
 import math
 
 import numpy as np
 from numba import cuda
 
-from . import SIM, as_f32, device_fn, ld_f16, ld_u8, ld_u16, shfl_xor
+from . import SIM, as_f32, device_fn, ld_f16, ld_u8, ld_u16, ld_u32, shfl_xor
+from .mma import pack_f16x2
 
 f32 = np.float32
+u32 = np.uint32
 _fns = {}
+_pairs = {}
 
 if SIM:
     def f32_bits(x):
@@ -142,3 +153,42 @@ def row_fns(Dh, kv_type):
         raise ValueError(f"unknown KV cache type {kv_type!r}")
     _fns[key] = head_bytes, dot, load, store
     return _fns[key]
+
+
+def pair_fn(kv_type):
+    if kv_type in _pairs:
+        return _pairs[kv_type]
+    if kv_type in ("f16", "bf16"):
+        @device_fn
+        def lane_off(w):
+            return 4 * w
+
+    elif kv_type == "q8_0":
+        @device_fn
+        def lane_off(w):
+            return 34 * (w >> 4)                      # block w // 16 holds dims 2w, 2w + 1
+    else:
+        raise ValueError(f"unknown KV cache type {kv_type!r}")
+
+    if kv_type == "f16":
+        @device_fn
+        def pair(cache, base, off, w):
+            return ld_u32(cache, base, off)
+
+    elif kv_type == "bf16":
+        @device_fn
+        def pair(cache, base, off, w):
+            u = ld_u32(cache, base, off)
+            return pack_f16x2(as_f32(u << u32(16)), as_f32(u & u32(0xFFFF0000)))
+
+    else:
+        @device_fn
+        def pair(cache, base, off, w):
+            d = ld_f16(cache, base, off)
+            qq = ld_u16(cache, base, off + 2 + 2 * (w & 15))
+            lo = qq & u32(255)
+            hi = qq >> u32(8)
+            return pack_f16x2(d * (f32(lo) - f32(256.0) if lo > 127 else f32(lo)),
+                              d * (f32(hi) - f32(256.0) if hi > 127 else f32(hi)))
+    _pairs[kv_type] = lane_off, pair
+    return _pairs[kv_type]
