@@ -68,12 +68,18 @@ glu = entry(_glu_kernel, "out, wg, wu, x, qtype, int8, step, act")
 
 
 # ---------------------------------------------------------------- glu_id (experts)
-# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs:
+# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs;
+# wg [E, M, row_bytes] and wu [E, M, row_bytes], or wg [E, 2M, row_bytes] merged (-muge:
+# gate rows 0..M-1, up rows M..2M-1 of each expert's block) and wu None:
 # matmul's expert kernel with its GLU (one parallel kernel for both: a cold start compiles
 # the type dispatch in it once).
 
-def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
-    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, act, numba.get_num_threads())
+def glu_id(out, wg, wu, x, ids, qtype, int8, step, act, up0=0):
+    """wu None: wg is merged (-muge), expert e's gate rows then its up rows from up0 = F."""
+    if wu is None:
+        wu, up0 = wg, out.shape[2]
+    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, up0, act,
+                    numba.get_num_threads())
 
 
 # ---------------------------------------------------------------- down_combine

@@ -33,14 +33,23 @@ def _mapping(a):
 
 
 def register_span(arrays):
-    """Page-lock the address range covering `arrays` (views of one mapping) for the GPUs,
-    unless it lies inside a range registered before. Idempotent; no-op in the simulator."""
+    """Page-lock, per mapping (the file's; -muge's merged experts in RAM have one of their
+    own), the address range covering its `arrays` for the GPUs, unless it lies inside a
+    range registered before. Idempotent; no-op in the simulator."""
     if SIM or not arrays:
         return
+    by_map = {}
+    for a in arrays:
+        m = _mapping(a)
+        by_map.setdefault(id(m), (m, []))[1].append(a)
+    for m, group in by_map.values():
+        _register(m, group)
+
+
+def _register(m, arrays):
     from cuda.bindings import driver as drv
     from numba import cuda
     cuda.current_context()              # the driver initialised, a context current
-    m = _mapping(arrays[0])
     lo = min(a.ctypes.data for a in arrays)
     hi = max(a.ctypes.data + a.nbytes for a in arrays)
     spans = _spans.setdefault(id(m), [])
