@@ -84,7 +84,8 @@ def model_key(llm, purpose):
     NextN block's, are never read)."""
     pairs = sorted({(llm.placement[n][0], int(t.ggml_type)) for n, t in llm.file.tensors.items()
                     if len(t.ne) >= 2 and n in llm.placement})
-    return f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))} {pairs}"
+    muge = " muge" if getattr(llm, "merged_layers", None) else ""    # the merged GLU's kernels
+    return f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))}{muge} {pairs}"
 
 
 def _record_path():

@@ -173,6 +173,13 @@ class LLM:
         roles = ("gate_up", "down") if il in self.merged_layers else ("gate", "up", "down")
         return [f"blk.{il}.ffn_{k}_exps.weight" for k in roles]
 
+    def buffer_of(self, name):
+        """The buffer type of a file's tensor, also of one merged into ffn_gate_up_exps (-muge)."""
+        if name not in self.placement:
+            from nbmoe.loader.merge import merged_name
+            name = merged_name(name)
+        return self.placement[name][0]
+
     def explain_lines(self):
         """--explain's lines about how the engine loaded the model (-muge)."""
         if self.merge_notes is None:

@@ -89,7 +89,7 @@ def model_facts(llm):
         else:
             n = t.n_bytes
         per_token += n
-        if llm.placement[name][0] == "CPU":   # generation never offloads: read from RAM
+        if llm.buffer_of(name) == "CPU":      # generation never offloads: read from RAM
             ram_per_token += n
     ftype = file_type_name(llm.file.meta, tensors)
     experts = f"{cfg.n_expert}x" if cfg.is_moe else ""

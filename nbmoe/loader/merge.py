@@ -16,6 +16,7 @@ not, keeps them apart (`notes` say why, --explain prints them).
 """
 import mmap
 from collections import defaultdict
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -105,7 +106,8 @@ def merge_up_gate(gguf, cfg, weights, placement, skip=None):
             pairs.append(il)
     ram = [il for il in pairs if placement[f"blk.{il}.{GATE}.weight"][0] == "CPU"]
     arena = _Arena([_merged(il, "weight", weights).data_shape for il in ram])
-    with progress.task("merging up and gate experts (-muge)", arena.n_bytes) as advance:
+    bar = progress.task("merging up and gate experts (-muge)", arena.n_bytes) if ram else nullcontext(None)
+    with bar as advance:
         for il in pairs:
             for kind in ("weight", "bias"):
                 name = f"blk.{il}.{MERGED}.{kind}"
@@ -123,6 +125,11 @@ def merge_up_gate(gguf, cfg, weights, placement, skip=None):
                     del weights[f"blk.{il}.{k}.{kind}"], placement[f"blk.{il}.{k}.{kind}"]
                 weights[name], placement[name] = t, place
     return pairs, dict(notes)
+
+
+def merged_name(name):
+    """The ffn_gate_up_exps tensor that ffn_gate_exps / ffn_up_exps `name` is part of."""
+    return name.replace(f".{GATE}.", f".{MERGED}.").replace(f".{UP}.", f".{MERGED}.")
 
 
 def _merged(il, kind, weights):
