@@ -181,11 +181,13 @@ class LLM:
         return self.placement[name][0]
 
     def explain_lines(self):
-        """--explain's lines about how the engine loaded the model (-muge)."""
-        if self.merge_notes is None:
+        """--explain's lines about how the engine loaded the model (-muge, or a file that ships
+        merged up and gate experts)."""
+        if self.merge_notes is None and not self.merged_layers:
             return []
         from nbmoe.loader.merge import explain_line
-        return [explain_line(*self.merge_notes)]
+        merged, notes = self.merge_notes or ((), {})
+        return [explain_line(merged, notes, sorted(self.merged_layers - set(merged)))]
 
     def _lock_ram_for_zero_copy(self, auto):
         """Page-lock the file's RAM matrices now (the GPUs read the experts in place); if the

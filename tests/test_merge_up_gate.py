@@ -63,6 +63,7 @@ def test_shipped_merged_file(tiny_model):
     shipped = tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0", merged_up_gate=True)
     got, llm = run(shipped)
     assert llm.merged_layers == {0, 1} and llm.merge_notes is None
+    assert llm.explain_lines() == ["-muge (ffn_gate_up_exps): layers 0-1 shipped merged by the file"]
     assert "blk.0.ffn_gate_up_exps.weight" in llm.file.tensors
     assert "blk.0.ffn_gate_exps.weight" not in llm.file.tensors
     merged, _ = run(path, merge_up_gate=True)

@@ -154,9 +154,12 @@ class _Arena:
         return a
 
 
-def explain_line(merged, notes):
-    """--explain's one line: the merged layers and, per reason, those kept apart."""
+def explain_line(merged, notes, shipped=()):
+    """--explain's one line: the layers merged at load, those the file ships merged and, per
+    reason, those kept apart."""
     from nbmoe.sched.explain import _ranges
-    parts = [f"layers {_ranges(merged)} merged" if merged else "no layer merged"]
-    parts += [f"not merged: layers {_ranges(ils)} ({why})" for why, ils in notes.items()]
+    parts = [f"layers {_ranges(merged)} merged"] if merged else []
+    parts += [f"layers {_ranges(shipped)} shipped merged by the file"] if shipped else []
+    parts = (parts or ["no layer merged"]) + [f"not merged: layers {_ranges(ils)} ({why})"
+                                              for why, ils in notes.items()]
     return "-muge (ffn_gate_up_exps): " + "; ".join(parts)
