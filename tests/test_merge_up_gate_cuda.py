@@ -102,3 +102,19 @@ def test_merged_glu_id_q8(small):
     xr = x_rounded(x)[0, 0]
     want = np.stack([glu(wref[e, :F] @ xr, wref[e, F:] @ xr, "silu") for e in ids[0]])[None]
     check("glu_id_q8 merged", out.copy_to_host(), want)
+
+
+def test_page_lock_spans_skip_holes():
+    """The RAM tensors' pages are locked in runs: a hole of GAP_BYTES or more between them
+    (the file's up and gate experts once -muge merged them elsewhere) is left out; smaller
+    holes and shared pages join their neighbours."""
+    import mmap
+
+    from nbmoe.cuda import host_memory
+    page, gap = mmap.PAGESIZE, 8 * mmap.PAGESIZE
+    m = mmap.mmap(-1, 64 * page)
+    whole = np.frombuffer(m, np.uint8)
+    base = whole.ctypes.data
+    parts = [whole[100:2 * page], whole[2 * page + 8:3 * page], whole[6 * page:7 * page],
+             whole[20 * page:21 * page + 5]]
+    assert host_memory.spans_of(parts, gap) == [(base, base + 7 * page), (base + 20 * page, base + 22 * page)]
