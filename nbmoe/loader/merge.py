@@ -12,7 +12,8 @@ The merge happens on the device that holds the two tensors:
   a GPU  uploaded from the file straight into the merged device buffer (backends/cuda.py),
          no merged copy in RAM
 A layer whose two tensors differ in buffer or type, or of which one has a bias and the other
-not, keeps them apart (`notes` say why, --explain prints them).
+not, keeps them apart (`notes` say why, --explain prints them). -rtr repacks a merged RAM
+tensor like any other where F is a multiple of its 16-row groups (loader/repack.py).
 """
 import mmap
 from collections import defaultdict
@@ -83,8 +84,10 @@ def _why_not(il, weights, placement):
     pg, pu = (placement[f"blk.{il}.{k}.weight"][0] for k in (GATE, UP))
     if pg != pu:
         return f"ffn_gate_exps on {pg}, ffn_up_exps on {pu}"
-    if g.ggml_type != u.ggml_type or tuple(g.ne) != tuple(u.ne):
+    if g.ggml_type != u.ggml_type:
         return f"ffn_gate_exps is {g.type_name}, ffn_up_exps {u.type_name}"
+    if tuple(g.ne) != tuple(u.ne):
+        return f"ffn_gate_exps has shape {list(g.ne)}, ffn_up_exps {list(u.ne)}"
     biases = [f"blk.{il}.{k}.bias" in weights for k in (GATE, UP)]
     if biases[0] != biases[1]:
         return "only one of ffn_gate_exps and ffn_up_exps has a bias"
