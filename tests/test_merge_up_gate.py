@@ -96,9 +96,10 @@ def test_merged_biases(tiny_model):
 
 
 @pytest.mark.parametrize("act", [fused.ACT_SILU, fused.ACT_SWIGLU_OAI])
-def test_merged_glu_id_kernel(act):
+def test_merged_glu_kernels(act):
     """fused.glu_id with a merged weight (wu None) against the float64 GLU of the gate rows
-    0..F-1 and the up rows F..2F-1 of each chosen expert."""
+    0..F-1 and the up rows F..2F-1 of each chosen expert; fused.glu_halves (the unfused GLU
+    of a merged product's output) against the float64 GLU of its halves."""
     from gguf import GGMLQuantizationType as Q
     from nbmoe.model.reference import glu
     rng = np.random.default_rng(3)
@@ -114,3 +115,8 @@ def test_merged_glu_id_kernel(act):
     want = np.stack([[glu(wf[e, :F] @ x[t, 0], wf[e, F:] @ x[t, 0], kind) for e in ids[t]]
                      for t in range(T)])
     assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+    gu = rng.standard_normal((7, 2 * F), dtype=np.float32) * 4
+    got = np.full((7, F), np.nan, np.float32)
+    fused.glu_halves(got, gu, act)
+    want = glu(gu[:, :F].astype(np.float64), gu[:, F:].astype(np.float64), kind)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()

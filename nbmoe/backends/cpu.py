@@ -270,6 +270,15 @@ class CPUBackend(Backend):
     def bind_mul_mat(self, node, buf, state):
         return self.mm.mul_mat_step(*self.mul_mat_operands(node, buf))
 
+    def bind_glu(self, node, buf, state):
+        if len(node.srcs) > 1:
+            return super().bind_glu(node, buf, state)
+        # a merged gate_up's halves (-muge): one kernel over its contiguous rows
+        F = buf[node.out].shape[-1]
+        out, gu = buf[node.out].reshape(-1, F), buf[node.srcs[0]].reshape(-1, 2 * F)
+        act, fused = _act(self.fused, node), self.fused
+        return _labelled(lambda: fused.glu_halves(out, gu, act), "GLU")
+
     # -- fused groups (cpu/fused.py) ---------------------------------------------------------
     def _bind_products(self, members, buf, state):
         ops = [self.mul_mat_operands(n, buf) for n in members]
