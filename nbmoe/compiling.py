@@ -84,7 +84,8 @@ def model_key(llm, purpose):
     NextN block's, are never read), -fmoe and the KV cache's types."""
     pairs = sorted({(llm.placement[n][0], int(t.ggml_type)) for n, t in llm.file.tensors.items()
                     if len(t.ne) >= 2 and n in llm.placement})
-    key = f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))} {pairs}"
+    muge = " muge" if getattr(llm, "merged_layers", None) else ""    # the merged GLU's kernels
+    key = f"{purpose} {llm.cfg.arch} rtr={int(bool(llm.repacked))}{muge} {pairs}"
     kv = getattr(llm, "kv", None)
     if not getattr(llm, "fused_moe", True):
         key += " fmoe=0"

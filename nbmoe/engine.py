@@ -22,6 +22,7 @@ from nbmoe.loader.gguf_file import GGUFFile
 from nbmoe.model.kv_cache import KVCache
 from nbmoe.model.forward import build_graph, check_tensors
 from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
+from nbmoe.loader.merge import merge_up_gate as merge_tensors
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched import scheduler
@@ -49,9 +50,11 @@ class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
                  zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
-                 upload_all_experts=False, n_slots=1, cache_type_k="f16", cache_type_v="f16"):
+                 upload_all_experts=False, merge_up_gate=False, n_slots=1, cache_type_k="f16",
+                 cache_type_v="f16"):
         self.path = os.fspath(path)
         self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
+        self.merge_up_gate = bool(merge_up_gate)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
         emb = self.file.tensors.get("token_embd.weight")
@@ -70,6 +73,16 @@ class LLM:
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
         self.threads = usable_threads(threads)
+        # -muge: gate and up experts as one tensor, merged where they live (loader/merge.py)
+        self.merge_notes = None
+        if self.merge_up_gate and self.cfg.is_moe:
+            self.merge_notes = merge_tensors(self.file, self.cfg, self.weights, self.placement,
+                                            "--ep" if self.ep else None)
+        # the layers whose graph takes the merged product (-muge, or a file that ships it)
+        self.merged_layers = frozenset(il for il in range(self.cfg.n_layer)
+                                       if f"blk.{il}.ffn_gate_up_exps.weight" in self.weights)
+        if self.ep and self.merged_layers:
+            raise NbmoeError("--ep does not read merged ffn_gate_up_exps tensors (this file ships them)")
         set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
         self.gpu_slots = self._zero_copy_layers(
@@ -144,7 +157,7 @@ class LLM:
         for il in range(self.cfg.n_layer if moe else 0):
             if not self.cfg.is_moe_layer(il):
                 continue
-            exps = [f"blk.{il}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+            exps = self.expert_tensors(il)
             router = place(f"blk.{il}.ffn_gate_inp.weight")
             if router != "CPU" and all(place(e) == "CPU" for e in exps):
                 from nbmoe.cuda.quants import is_supported
@@ -154,6 +167,27 @@ class LLM:
             raise NbmoeError("-zce needs a MoE layer whose router is on a GPU and whose experts "
                              "are in RAM (e.g. -ngl 99 -ot exps=CPU), and more than one active expert")
         return {il: v for il, v in layers.items() if v[1] > 0}
+
+    def expert_tensors(self, il):
+        """Layer il's expert matrices: gate and up (or their merge, -muge), down."""
+        roles = ("gate_up", "down") if il in self.merged_layers else ("gate", "up", "down")
+        return [f"blk.{il}.ffn_{k}_exps.weight" for k in roles]
+
+    def buffer_of(self, name):
+        """The buffer type of a file's tensor, also of one merged into ffn_gate_up_exps (-muge)."""
+        if name not in self.placement:
+            from nbmoe.loader.merge import merged_name
+            name = merged_name(name)
+        return self.placement[name][0]
+
+    def explain_lines(self):
+        """--explain's lines about how the engine loaded the model (-muge, or a file that ships
+        merged up and gate experts)."""
+        if self.merge_notes is None and not self.merged_layers:
+            return []
+        from nbmoe.loader.merge import explain_line
+        merged, notes = self.merge_notes or ((), {})
+        return [explain_line(merged, notes, sorted(self.merged_layers - set(merged)))]
 
     def _lock_ram_for_zero_copy(self, auto):
         """Page-lock the file's RAM matrices now (the GPUs read the experts in place); if the
@@ -183,8 +217,8 @@ class LLM:
         # embedding (its rows are looked up on the CPU)
         in_ram = [t for t, (b, _) in self.placement.items()
                   if b == "CPU" and len(self.weights[t].ne) > 1 and t != "token_embd.weight"]
-        in_place = {gpu: [f"blk.{il}.ffn_{k}_exps.weight" for il, (g, _) in self.gpu_slots.items()
-                          if g == gpu for k in ("gate", "up", "down")]
+        in_place = {gpu: [name for il, (g, _) in self.gpu_slots.items() if g == gpu
+                          for name in self.expert_tensors(il)]
                     for gpu in set(on_gpu.values())}
         return {n: CUDABackend(n, self.weights, [t for t, b in on_gpu.items() if b == n], in_ram,
                                in_place[n], self.flash_attn, upload_all=self.upload_all_experts)
@@ -223,7 +257,8 @@ class LLM:
         graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
         key = (n_tokens, n_logits, share, self.slot if graphed else 0)
         if key not in self._plans:
-            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe)
+            g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,
+                            self.merged_layers)
             if share:       # -zce: a GPU computes part of each layer's chosen experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
                                        for il in range(self.cfg.n_layer)])
@@ -400,7 +435,9 @@ def load(path=None, n_ctx=2048, threads=None, n_ubatch=512, repack=False, n_slot
     the flash attention kernels where a backend has one, as llama.cpp's -fa), fused_moe (-fmoe:
     the experts' gate, up and GLU as one op, MUL_MAT_ID_GLU; False: three), upload_all_experts
     (an offloaded expert product uploads its whole tensor, not only the experts the router
-    chose), n_slots (sequences that share the cache, n_ctx // n_slots positions each;
+    chose), merge_up_gate (-muge: each MoE layer's gate and up experts merged at load into one
+    tensor, where they live, so one product computes both; loader/merge.py), n_slots
+    (sequences that share the cache, n_ctx // n_slots positions each;
     llm.use_slot(i) picks the one eval / generate continue)., cache_type_k,
     cache_type_v (the KV cache's types, f16, bf16 or q8_0: llama.cpp's -ctk / -ctv;
     model/kv_cache.py)."""

@@ -141,6 +141,16 @@ def test_explain_and_timings(moe_model):
     assert "Python scheduling" in r.stderr
 
 
+def test_bench_muge(moe_model):
+    """-muge 0,1: a run each, the column, and --explain's line of the merged layers."""
+    r = run(["nbmoe.bench", "-m", moe_model, "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+             "-muge", "0,1", "--explain", "--no-bandwidth", "-o", "json"])
+    assert r.returncode == 0, r.stderr
+    assert [x["merge_up_gate"] for x in json.loads(r.stdout)] == [0, 1]
+    assert "-muge (ffn_gate_up_exps): layers 0-1 merged" in r.stderr
+    assert "ffn_gate_up_exps.weight" in r.stderr
+
+
 # ---- bad flag values: one line, exit 2, before any model loads ---------------------------
 
 @pytest.mark.parametrize("args, message", [
@@ -165,6 +175,7 @@ def test_bad_value_one_line(args, message):
     ("bench", ["-ngl", "-1"], "-ngl/--n-gpu-layers: must be 0 or more"),
     ("bench", ["-ngl", "x"], "-ngl/--n-gpu-layers: expected a comma list of integers, got 'x'"),
     ("bench", ["-rtr", "2"], "-rtr/--run-time-repack: must be 0 or 1, got 2"),
+    ("bench", ["-muge", "0,2"], "-muge/--merge-up-gate-experts: must be 0 or 1, got 2"),
     ("bench", ["-zce", "-1"], "-zce/--zero-copy-experts: must be 'auto' or 0 or more, got -1"),
     ("bench", ["-b", "0"], "-b/--batch-size: must be at least 1, got 0"),
     ("bench", ["-o", "xml"], "-o/--output: invalid choice: 'xml'"),

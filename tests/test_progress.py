@@ -63,3 +63,14 @@ def test_nobody_listening_costs_nothing():
     with progress.task("a wait", 10) as advance:
         advance(10)
     assert progress.chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_merge_reports_its_bytes(tiny_model):
+    """-muge: the experts merged in RAM (with -ngl 99 -ot exps=CPU: the GPU's merge is its
+    upload); their bytes, the merged tensors'."""
+    path = tiny_model(**MOE, default_type="Q8_0")
+    with progress.listening(Record()) as rec:
+        llm = nbmoe.load(path, n_ctx=16, threads=1, n_gpu_layers=99, override_tensors=["exps=CPU"],
+                         merge_up_gate=True)
+    total, done, finished = rec.tasks["merging up and gate experts (-muge)"]
+    assert finished and done == total == llm.weights["blk.0.ffn_gate_up_exps.weight"].n_bytes

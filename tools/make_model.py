@@ -302,12 +302,29 @@ class _BlockPool:
         return np.take(pool, idx, axis=0)
 
 
+def _merge_plan(typed):
+    """The tensor list with each ffn_gate_exps / ffn_up_exps pair as one ffn_gate_up_exps
+    (the gate's place in the list; its shape [E, 2F, ...])."""
+    out = []
+    for tname, shape, kind, type_name, n_bytes in typed:
+        if "_up_exps." in tname:
+            continue
+        if "_gate_exps." in tname:
+            up = next(t for t in typed if t[0] == tname.replace("_gate_exps.", "_up_exps."))
+            if up[3] != type_name:
+                raise ValueError(f"{tname} and its up tensor differ in type: cannot merge them")
+            tname, shape, n_bytes = (tname.replace("_gate_exps.", "_gate_up_exps."),
+                                     (shape[0], 2 * shape[1]) + tuple(shape[2:]), 2 * n_bytes)
+        out.append((tname, shape, kind, type_name, n_bytes))
+    return out
+
+
 def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None, n_ff,
                n_expert=0, n_expert_used=0, n_ff_exp=None, n_ctx=2048, types=None,
                default_type="Q8_0", vocab_from=None, n_vocab=None, tie_embeddings=True,
                rope_base=10000.0, rms_eps=1e-5, sliding_window=0, yarn=None, mla=None, name=None,
                seed=0, n_shared=0, n_leading_dense=0, n_nextn=0, routed_scale=1.0, qk_norm=False,
-               router_skew=0.0):
+               router_skew=0.0, merged_up_gate=False):
     """Write a random-weight GGUF of architecture arch to path; returns path.
 
     gpt-oss: sliding_window (tokens, on the even layers; required), yarn = (factor, original
@@ -322,7 +339,9 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
     wins, else default_type. vocab_from: a GGUF whose tokenizer.* keys are copied (else a
     ~300-token synthetic one); n_vocab: embedding rows, >= the tokenizer's size (padded).
     router_skew: the share of each MoE layer's experts that the router almost never chooses
-    (tools/router_skew.py); 0 = a random router.
+    (tools/router_skew.py); 0 = a random router. merged_up_gate: each layer's ffn_gate_exps
+    and ffn_up_exps (and biases) written as one ffn_gate_up_exps [E, 2F, D], each expert's
+    gate rows then its up rows (llama.cpp's layout), with the same values as without.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch '{arch}' (known: {', '.join(ARCHS)})")
@@ -429,13 +448,14 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
             w.add_rope_scaling_yarn_log_mul(0.1 * mla["mscale_all_dim"])
     for key, (value, vtype, sub_type) in tok.items():
         w.add_key_value(key, value, vtype, sub_type)
-    for tname, shape, kind, type_name, n_bytes in typed:
+    for tname, shape, kind, type_name, n_bytes in _merge_plan(typed) if merged_up_gate else typed:
         w.add_tensor_info(tname, shape, np.dtype(np.float32), n_bytes,
                           raw_dtype=GGMLQuantizationType[type_name])
 
     # Tensors are made and written one at a time, so memory holds one tensor.
     rng = np.random.default_rng(seed)
     pool = _BlockPool(rng)
+    held = {}
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -453,6 +473,12 @@ def make_model(path, arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim=None,
                 data = pool.matrix(shape, type_name, 1 / math.sqrt(shape[-1]))
             if skew is not None:
                 data = skew.apply(tname, data, type_name)
+            if merged_up_gate and "_gate_exps." in tname:
+                held[tname.replace("_gate_exps.", "_up_exps.")] = data   # written with its up half
+                continue
+            if merged_up_gate and "_up_exps." in tname:
+                E, F = shape[0], shape[1]
+                data = np.concatenate([held.pop(tname).reshape(E, F, -1), data.reshape(E, F, -1)], axis=1)
             w.write_tensor_data(data)
     finally:
         w.close()
@@ -484,6 +510,9 @@ def main(argv=None):
     ap.add_argument("--router-skew", type=float, default=0.0, metavar="S",
                     help="share (0..1) of each MoE layer's experts that the router almost never "
                          "chooses, as trained routers (default: 0, a random router)")
+    ap.add_argument("--merged-up-gate", action="store_true",
+                    help="write each layer's gate and up experts as one ffn_gate_up_exps tensor, "
+                         "as newer converters do (the same values)")
     ap.add_argument("-o", "--output", default=None,
                     help="output file (default: PRESET-LLAYERS.gguf)")
     args = ap.parse_args(argv)
@@ -533,7 +562,7 @@ def main(argv=None):
     try:
         make_model(out, arch, types=types, default_type=default_type, vocab_from=vocab_from,
                    seed=args.seed, name=f"nbmoe random {args.preset}",
-                   router_skew=args.router_skew, **shape)
+                   router_skew=args.router_skew, merged_up_gate=args.merged_up_gate, **shape)
     except ValueError as e:
         sys.exit(f"make_model: {e}")
     size = os.path.getsize(out)

@@ -192,7 +192,12 @@ class Backend:
         return lambda: ops.scale(out, x, s)
 
     def bind_glu(self, node, buf, state):
-        out, gate, up = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
+        if len(node.srcs) == 1:         # merged (-muge): [N, 2F] rows, the gate half then the up
+            F = buf[node.out].shape[len(buf[node.out].shape) - 1]
+            out, gu = buf[node.out].reshape(-1, F), buf[node.srcs[0]].reshape(-1, 2 * F)
+            gate, up = gu[:, :F], gu[:, F:]
+        else:
+            out, gate, up = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)
         act = getattr(self.ops, GLU_KERNELS[node.params["act"]])
         return lambda: act(out, gate, up)
 
@@ -273,6 +278,15 @@ class CPUBackend(Backend):
     def bind_mul_mat(self, node, buf, state):
         return self.mm.mul_mat_step(*self.mul_mat_operands(node, buf))
 
+    def bind_glu(self, node, buf, state):
+        if len(node.srcs) > 1:
+            return super().bind_glu(node, buf, state)
+        # a merged gate_up's halves (-muge): one kernel over its contiguous rows
+        F = buf[node.out].shape[-1]
+        out, gu = buf[node.out].reshape(-1, F), buf[node.srcs[0]].reshape(-1, 2 * F)
+        act, fused = _act(self.fused, node), self.fused
+        return _labelled(lambda: fused.glu_halves(out, gu, act), "GLU")
+
     # -- fused groups (cpu/fused.py) ---------------------------------------------------------
     def _bind_products(self, members, buf, state):
         ops = [self.mul_mat_operands(n, buf) for n in members]
@@ -293,13 +307,14 @@ class CPUBackend(Backend):
                                       "MUL_MAT+GLU")]
 
     def _bind_glu_id(self, members, buf, state):
-        gate, up, glu = members
+        gate, glu = members[0], members[-1]
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
-        wu = self.mul_mat_id_operands(up, buf)[1]
+        # two members: a merged gate_up (-muge), the up rows after each expert's gate rows
+        wu = self.mul_mat_id_operands(members[1], buf)[1] if len(members) == 3 else None
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
-        step = mm.expert_item_rows(wg.shape[1], wg.shape[2], ids.shape[0], qtype)
+        step = mm.expert_item_rows(out.shape[2], wg.shape[2], ids.shape[0], qtype)
         int8 = mm._int8(qtype)
-        return [None, None, _labelled(
+        return [None] * (len(members) - 1) + [_labelled(
             lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
@@ -374,15 +389,18 @@ class CPUBackend(Backend):
         return [None] * (len(members) - 1) + [step]
 
     def _bind_moe_block(self, members, buf, state):
-        norm, router, topk, gate, up, glu, down, comb = members[:8]
-        post = members[8] if members[8].op == "RMS_NORM" else None
+        norm, router, topk, gate = members[:4]
+        merged = members[4].op == "GLU"         # -muge: gate_up, then the GLU of its halves
+        up = None if merged else members[4]
+        glu, down, comb = members[5 - merged:8 - merged]
+        post = members[8 - merged] if members[8 - merged].op == "RMS_NORM" else None
         pr = self._vec_product(router, buf)
         _, wg, _, ids, qg = self.mul_mat_id_operands(gate, buf)
-        wu = self.mul_mat_id_operands(up, buf)[1]
+        wu = None if merged else self.mul_mat_id_operands(up, buf)[1]
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
         A, mm = ids.shape[1], self.mm
         # work items as the unfused glu_id and down_combine groups pick them
-        steps = (pr[3], mm.expert_item_rows(wg.shape[1], wg.shape[2], 1, qg),
+        steps = (pr[3], mm.expert_item_rows(g.shape[2], wg.shape[2], 1, qg),
                  mm.expert_item_rows(wd.shape[1], A * wd.shape[2], 1, qd))
         qtypes, int8s = (pr[1], qg, qd), (pr[2], mm._int8(qg), mm._int8(qd))
         norms = (self.vector(norm.weight),) + self._norm_vectors([post])

@@ -187,10 +187,24 @@ class CUDABackend(FusionBinders, Backend):
                 t = tensors[n]
                 if len(t.ne) == 1:
                     self.vectors[n] = cuda.to_device(self._f32(t))
+                elif getattr(t, "parts", None) and len(t.ne) == 3:
+                    self.resident[n] = self._upload_merged(t)
                 else:
                     self.resident[n] = cuda.to_device(np.ascontiguousarray(t.data))
                 advance(t.n_bytes)
         self.weight_bytes = sum(a.nbytes for a in self.resident.values())
+
+    def _upload_merged(self, t):
+        """A merged gate_up (-muge, loader/merge.py) [E, 2F, row_bytes], uploaded from the file
+        straight into its device buffer: per expert, the F gate rows, then the F up rows (no
+        merged copy in RAM)."""
+        gate, up = (p.data for p in t.parts)
+        E, F = gate.shape[0], gate.shape[1]
+        d = self.alloc(t.data_shape, np.uint8)
+        for e in range(E):
+            d[e, :F].copy_to_device(gate[e])
+            d[e, F:].copy_to_device(up[e])
+        return d
 
     @staticmethod
     def _f32(t):

@@ -152,16 +152,17 @@ class FusionBinders:
         return [None, None, _labelled(run, "MUL_MAT+GLU")]
 
     def _bind_glu_id(self, members, buf, state):
-        gate, up, glu = members
+        gate, glu = members[0], members[-1]
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
-        wu = self.mul_mat_id_operands(up, buf)[1]
+        # two members: a merged gate_up (-muge), the up rows after each expert's gate rows
+        wu = self.mul_mat_id_operands(members[1], buf)[1] if len(members) == 3 else None
         out, act, X, K = buf[glu.out], _act(self.fused, glu), x.shape[1], x.shape[2]
         x8, fused = self._x8(gate, buf, qtype, x), self.fused
 
         def run():
             xq, xds = x8()
             fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act)
-        return [None, None, _labelled(run, "MUL_MAT_ID_GLU")]
+        return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
         down, combine = members[:2]

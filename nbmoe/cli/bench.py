@@ -115,7 +115,7 @@ def main(argv=None):
                     if args.output == "md":
                         err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
                                           f"zce={rows[-1]['zero_copy_experts']} fa={llm.flash_attn} "
-                                          f"fmoe={c['fmoe']} uae={c['uae']} "
+                                          f"fmoe={c['fmoe']} muge={c['muge']} uae={c['uae']} "
                                           f"t={threads}: {rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
                         show_timings(llm, kind, n, args.batch_size, rng)
@@ -175,6 +175,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         tensor_buft_overrides=";".join(args.override_tensor) or "none",
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
         fused_moe=int(llm.fused_moe), upload_all_experts=int(llm.upload_all_experts),
+        merge_up_gate=int(llm.merge_up_gate),
         n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
@@ -197,11 +198,12 @@ def print_rows(rows, fmt, facts, args=None):
     show_zce = any(r["zero_copy_experts"] for r in rows)
     show_fa = any(r["flash_attn_given"] for r in rows)        # -fa given: its column
     show_fmoe, show_uae = getattr(args, "show_fmoe", False), getattr(args, "show_uae", False)
+    show_muge = getattr(args, "show_muge", False)
     show_kv = any((r["type_k"], r["type_v"]) != ("f16", "f16") for r in rows)
     cols = ["model", "size", "params", "backend", "threads"] + (["ngl", "ot"] if show_gpu else []) + [
         "n_ubatch"] + (["type_k", "type_v"] if show_kv else []) + (["rtr"] if show_rtr else []) + (
         ["zce"] if show_zce else []) + (["fa"] if show_fa else []) + (["fmoe"] if show_fmoe else []) + (
-        ["uae"] if show_uae else []) + [
+        ["muge"] if show_muge else []) + (["uae"] if show_uae else []) + [
         "test", "t/s", "RAM GB/s (of read bw)"] + (["GB/s all weights"] if show_gpu else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
@@ -222,6 +224,7 @@ def print_rows(rows, fmt, facts, args=None):
                       *([str(r["zero_copy_experts"])] if show_zce else []),
                       *([r["flash_attn"]] if show_fa else []),
                       *([str(r["fused_moe"])] if show_fmoe else []),
+                      *([str(r["merge_up_gate"])] if show_muge else []),
                       *([str(r["upload_all_experts"])] if show_uae else []), test,
                       f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", gbs, *all_gbs)
     table_console().print(table)

@@ -36,6 +36,7 @@ RULES = {
     "run_time_repack": (lambda v: v in (0, 1), "0 or 1"),
     "fused_moe": (lambda v: v in (0, 1), "0 or 1"),
     "upload_all_experts": (lambda v: v in (0, 1), "0 or 1"),
+    "merge_up_gate_experts": (lambda v: v in (0, 1), "0 or 1"),
     # chat
     "ctx_size": (at_least(0), "0 or more (0 = the model's training context)"),
     "n_predict": (lambda v: v == -1 or v >= 1, "at least 1, or -1 (until the context is full)"),

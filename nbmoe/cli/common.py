@@ -83,14 +83,19 @@ def add_placement_args(p, lists=False):
 
 
 def add_moe_args(p, lists=False):
-    """-fmoe (as ik_llama.cpp) and --upload-all-experts (bench: comma lists of 0 / 1, shown
-    as table columns when given)."""
+    """-fmoe, -muge (as ik_llama.cpp) and --upload-all-experts (bench: comma lists of 0 / 1,
+    shown as table columns when given)."""
     add_fused_moe_arg(p, lists)
+    muge = ("at load, each MoE layer's up and gate experts become one tensor, merged where "
+            "they live, so one product computes both")
     if lists:
+        p.add_argument("-muge", "--merge-up-gate-experts", default=None,
+                       help=muge + " (comma list of 0/1; default 0)")
         p.add_argument("--upload-all-experts", default=None,
                        help="1: an offloaded expert product uploads its whole tensor, not only the "
                             "experts the router chose (comma list of 0/1; default 0)")
     else:
+        p.add_argument("-muge", "--merge-up-gate-experts", action="store_true", help=muge)
         p.add_argument("--upload-all-experts", action="store_true",
                        help="an offloaded expert product uploads its whole tensor, not only the "
                             "experts the router chose")
@@ -129,7 +134,7 @@ def cache_types(v):
 
 
 def add_engine_args(p, lists=False):
-    """Every flag that shapes the engine a tool runs: -rtr -fa, placement, -fmoe
+    """Every flag that shapes the engine a tool runs: -rtr -fa, placement, -fmoe -muge
     --upload-all-experts, -ctk -ctv (bench and sweep: comma lists)."""
     for add in (add_repack_arg, add_flash_attn_arg, add_placement_args, add_moe_args,
                 add_cache_type_args):
@@ -147,15 +152,18 @@ def zce_value(v):
 
 
 def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None, flash_attn=None,
-                     fused_moe=None, upload_all_experts=None):
-    """The load() keywords of the placement flags, -fa, -fmoe and --upload-all-experts (the
-    tools with lists pass the run's values; None: the flag's own, or the engine's default)."""
+                     fused_moe=None, upload_all_experts=None, merge_up_gate=None):
+    """The load() keywords of the placement flags, -fa, -fmoe, -muge and --upload-all-experts
+    (the tools with lists pass the run's values; None: the flag's own, or the engine's
+    default)."""
     fa = flash_attn if flash_attn is not None else getattr(args, "flash_attn", None)
     return dict(n_gpu_layers=args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
                 flash_attn=fa,
                 fused_moe=bool(int(getattr(args, "fused_moe", 1) if fused_moe is None else fused_moe)),
                 upload_all_experts=bool(int(getattr(args, "upload_all_experts", False)
                                             if upload_all_experts is None else upload_all_experts)),
+                merge_up_gate=bool(int(getattr(args, "merge_up_gate_experts", False)
+                                       if merge_up_gate is None else merge_up_gate)),
                 override_tensors=args.override_tensor, offload_policy=args.offload_policy,
                 cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
                 zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts,

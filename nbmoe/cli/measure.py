@@ -23,15 +23,17 @@ def int_list(s):
 
 
 def parse_lists(p, args):
-    """The comma lists of -ngl -ub -rtr -zce -fa -fmoe --upload-all-experts (and -t) checked,
-    as args.<name>_list; one line and exit 2 for a bad value."""
-    # -fmoe / --upload-all-experts: a table column only when given (as llama-bench's)
+    """The comma lists of -ngl -ub -rtr -zce -fa -fmoe -muge --upload-all-experts (and -t)
+    checked, as args.<name>_list; one line and exit 2 for a bad value."""
+    # -fmoe / -muge / --upload-all-experts: a table column only when given (as llama-bench's)
     args.show_fmoe, args.show_uae = args.fused_moe is not None, args.upload_all_experts is not None
+    args.show_muge = args.merge_up_gate_experts is not None
     args.fused_moe = "1" if args.fused_moe is None else args.fused_moe
     args.upload_all_experts = "0" if args.upload_all_experts is None else args.upload_all_experts
+    args.merge_up_gate_experts = args.merge_up_gate_experts or "0"
     lists = {dest: int_list_arg(p, dest, getattr(args, dest))
              for dest in ("n_gpu_layers", "ubatch_size", "run_time_repack", "fused_moe",
-                          "upload_all_experts")}
+                          "upload_all_experts", "merge_up_gate_experts")}
     try:
         lists["zero_copy_experts"] = [zce_value(v.strip()) for v in str(args.zero_copy_experts).split(",")
                                       if v.strip()]
@@ -44,15 +46,16 @@ def parse_lists(p, args):
     args.rtr_list = [bool(v) for v in lists["run_time_repack"]]
     args.fa_list = flash_attn_list(p, args.flash_attn)
     args.fmoe_list, args.uae_list = lists["fused_moe"], lists["upload_all_experts"]
+    args.muge_list = lists["merge_up_gate_experts"]
 
 
 def configs(args):
     """Every combination of the lists, one model load each: dicts of ngl, ub, rtr, zce, fa,
-    fmoe, uae, ctk, ctv."""
-    keys = ("ngl", "ub", "rtr", "zce", "fa", "fmoe", "uae", "ctk", "ctv")
+    fmoe, muge, uae, ctk, ctv."""
+    keys = ("ngl", "ub", "rtr", "zce", "fa", "fmoe", "muge", "uae", "ctk", "ctv")
     return [dict(zip(keys, c)) for c in itertools.product(
         args.ngl_list, args.ub_list, args.rtr_list, args.zce_list, args.fa_list, args.fmoe_list,
-        args.uae_list, args.cache_type_k, args.cache_type_v)]
+        args.muge_list, args.uae_list, args.cache_type_k, args.cache_type_v)]
 
 
 def load_config(path, args, c, n_ctx, threads, quiet=False):
@@ -61,7 +64,7 @@ def load_config(path, args, c, n_ctx, threads, quiet=False):
     with loading(f"loading {path}"):
         llm = load(path, n_ctx=n_ctx, threads=threads, n_ubatch=c["ub"], repack=c["rtr"],
                    cache_type_k=c["ctk"], cache_type_v=c["ctv"],
-                   **placement_kwargs(args, c["ngl"], c["zce"], c["fa"], c["fmoe"], c["uae"]))
+                   **placement_kwargs(args, c["ngl"], c["zce"], c["fa"], c["fmoe"], c["uae"], c["muge"]))
     if not quiet:
         err_console.print(f"  {llm.kv.summary()}")
     if llm.repack_stats and not quiet:
@@ -86,7 +89,7 @@ def model_facts(llm):
         else:
             n = t.n_bytes
         per_token += n
-        if llm.placement[name][0] == "CPU":   # generation never offloads: read from RAM
+        if llm.buffer_of(name) == "CPU":      # generation never offloads: read from RAM
             ram_per_token += n
     ftype = file_type_name(llm.file.meta, tensors)
     experts = f"{cfg.n_expert}x" if cfg.is_moe else ""
@@ -131,6 +134,8 @@ def explain(llm, ubatch):
     console.print(schedule_table(llm, sorted({1, ubatch})))
     console.print(legend())
     for line in unfused_lines(llm, sorted({1, ubatch})):
+        console.print(line, highlight=False)
+    for line in llm.explain_lines():
         console.print(line, highlight=False)
     for line in llm.ep.explain_lines() if llm.ep else ():
         console.print(line, highlight=False)

@@ -97,6 +97,7 @@ def run_label(args, c, threads, llm):
     varying = [(f"-ngl {c['ngl']}", args.ngl_list), (f"-ub {c['ub']}", args.ub_list),
                (f"-rtr {int(c['rtr'])}", args.rtr_list), (f"-zce {c['zce']}", args.zce_list),
                (f"-fa {llm.flash_attn}", args.fa_list), (f"-fmoe {c['fmoe']}", args.fmoe_list),
+               (f"-muge {c['muge']}", args.muge_list),
                (f"-ctk {c['ctk']}", args.cache_type_k), (f"-ctv {c['ctv']}", args.cache_type_v),
                (f"--upload-all-experts {c['uae']}", args.uae_list), (f"-t {threads}", args.threads or [])]
     base = args.label or os.path.splitext(os.path.basename(llm.path))[0]

@@ -101,6 +101,7 @@ def _moe_block_kernel(qtypes, int8s, plain_route):
     norm_topk, gating, scale, bias, n_group, topk_group).
 
     h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
+    wu's up rows start at row up0 of each expert (wu is wg, up0 = F: merged, -muge);
     norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
     (one type), down; n_workers: the expert products' (numba.get_num_threads()); plain_route
     (moe.is_plain): the routing path compiled in.
@@ -109,30 +110,32 @@ def _moe_block_kernel(qtypes, int8s, plain_route):
     i8_r, i8_gu, i8_d = int8s
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, steps, act, norm_topk,
-                  n_workers, gating, scale, bias, n_group, topk_group):
+    def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, wd, steps, act,
+                  norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
         ffn_norm, post_norm = norms
         ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
         mat_vec(logits, wr, h, qt_r, i8_r, steps[0])                     # [1, E]
         moe.route(plain_route, ids, wts, logits, norm_topk, gating, scale, bias, n_group,
                   topk_group)                                             # [1, A]
         _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
-                        steps[1], wu, act, n_workers)                     # gate/up/GLU: fused.glu_id
+                        steps[1], wu, up0, act, n_workers)                # gate/up/GLU: fused.glu_id
         down_combine(f, wd, g, ids, wts, qt_d, i8_d, steps[2], n_workers)    # [1, D]
         _norm_if(f, post_norm, eps)
         ops.add(x, x, f)
     return moe_block
 
 
-_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, "
-                   "qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, n_group, "
-                   "topk_group, plain_route")
+_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, "
+                   "wd, qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, "
+                   "n_group, topk_group, plain_route")
 
 
 def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
               norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
-    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
-               norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
+    """wu None: wg is merged (-muge), each expert's gate rows then its F up rows."""
+    wu, up0 = (wg, g.shape[2]) if wu is None else (wu, 0)
+    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, wd, qtypes, int8s, steps,
+               act, norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
                moe.is_plain(bias, n_group))
 
 

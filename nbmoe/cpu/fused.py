@@ -22,6 +22,7 @@ from numba import njit, prange
 
 from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, _dot_rows, _glu_rows,  # noqa: F401
                      _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
+from .ops import PAR_MIN_ELEMS
 from .specialize import ConstantArgs, build, entry
 from .work_queue import new_queue, next_item
 
@@ -68,12 +69,46 @@ glu = entry(_glu_kernel, "out, wg, wu, x, qtype, int8, step, act")
 
 
 # ---------------------------------------------------------------- glu_id (experts)
-# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs:
+# out [T, A, M]; x [T, X, K]; an item = (chosen expert, run of `step` rows) over its pairs;
+# wg [E, M, row_bytes] and wu [E, M, row_bytes], or wg [E, 2M, row_bytes] merged (-muge:
+# gate rows 0..M-1, up rows M..2M-1 of each expert's block) and wu None:
 # matmul's expert kernel with its GLU (one parallel kernel for both: a cold start compiles
 # the type dispatch in it once).
 
-def glu_id(out, wg, wu, x, ids, qtype, int8, step, act):
-    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, act, numba.get_num_threads())
+def glu_id(out, wg, wu, x, ids, qtype, int8, step, act, up0=0):
+    """wu None: wg is merged (-muge), expert e's gate rows then its up rows from up0 = F."""
+    if wu is None:
+        wu, up0 = wg, out.shape[2]
+    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, up0, act,
+                    numba.get_num_threads())
+
+
+# ---------------------------------------------------------------- glu_halves
+# out [N, F] = act(gu[:, :F]) * gu[:, F:]: the GLU of a merged gate_up product (-muge) when it
+# is not fused (-fmoe 0, batches past the matrix-vector kernels). gu [N, 2F] C-contiguous,
+# each row's two halves contiguous too (so the row kernels vectorize as ops.swiglu's).
+# Parallel over rows from PAR_MIN_ELEMS values.
+
+@njit(cache=True, error_model="numpy")
+def _glu_halves_seq(out, gu, act):
+    F = out.shape[1]
+    for r in range(out.shape[0]):
+        _glu_rows(out[r], gu[r, :F], gu[r, F:], act)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _glu_halves_par(out, gu, act):
+    F = out.shape[1]
+    for r in prange(out.shape[0]):
+        _glu_rows(out[r], gu[r, :F], gu[r, F:], act)
+
+
+def glu_halves(out, gu, act):
+    """out [N, F] = act(gate half) * up half of gu [N, 2F]; act ACT_SILU / ACT_GELU /
+    ACT_SWIGLU_OAI."""
+    if gu.shape[1] != 2 * out.shape[1] or gu.shape[0] != out.shape[0]:
+        raise ValueError(f"glu_halves: gu {gu.shape} is not out {out.shape} twice as wide")
+    (_glu_halves_par if out.size >= PAR_MIN_ELEMS and out.shape[0] > 1 else _glu_halves_seq)(out, gu, act)
 
 
 # ---------------------------------------------------------------- down_combine

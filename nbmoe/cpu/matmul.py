@@ -424,8 +424,9 @@ def _group_by_expert(ids, E):
 
 
 # act: ACT_NONE the products alone; ACT_SILU / ACT_GELU / ACT_SWIGLU_OAI (fused.glu_id): w
-# holds the gate rows, wu the up rows, and an item computes both row runs of a pair, then the
-# GLU into out.
+# holds the gate rows, wu the up rows from row up0 of each expert's matrix (0; a merged
+# ffn_gate_up_exps, -muge: wu is w, up0 = F), and an item computes both row runs of a pair,
+# then the GLU into out [T, A, F].
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = -1, 0, 1, 2
 
 
@@ -441,8 +442,8 @@ def _glu_rows(out, g, u, act):
 
 def _mul_mat_id_vec_kernel(qtype, int8):
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def mul_mat_id_vec(out, w, x, ids, blas_min, step, wu, act, n_workers):
-        E, M = w.shape[0], w.shape[1]
+    def mul_mat_id_vec(out, w, x, ids, blas_min, step, wu, up0, act, n_workers):
+        E, M = w.shape[0], out.shape[2]
         T, X, K = x.shape
         A = ids.shape[1]
         order, start = _group_by_expert(ids, E)
@@ -470,14 +471,14 @@ def _mul_mat_id_vec_kernel(qtype, int8):
                     o = out[t, a, r0:r1]
                     _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
                     if act != ACT_NONE:
-                        _dot_rows(qtype, u, wu[e, r0:r1], xf, n, xsum, xi, int8)
+                        _dot_rows(qtype, u, wu[e, up0 + r0:up0 + r1], xf, n, xsum, xi, int8)
                         _glu_rows(o, g, u, act)
                 item = next_item(queue, worker)
     return mul_mat_id_vec
 
 
 _mul_mat_id_vec = entry(_mul_mat_id_vec_kernel,
-                        "out, w, x, ids, qtype, blas_min, int8, step, wu, act, n_workers")
+                        "out, w, x, ids, qtype, blas_min, int8, step, wu, up0, act, n_workers")
 
 
 def mul_mat_id(out, w, x, ids, qtype):
@@ -486,7 +487,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     many = GEMM_MIN_T if gemm else BLAS_MIN_T   # pairs an expert needs to leave matrix-vector
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
         step = expert_item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
-        _mul_mat_id_vec(out, w, x, ids, int(qtype), ids.size + 1, _int8(qtype), step, w, ACT_NONE,
+        _mul_mat_id_vec(out, w, x, ids, int(qtype), ids.size + 1, _int8(qtype), step, w, 0, ACT_NONE,
                         numba.get_num_threads())
         return
     T, X, K = x.shape
@@ -496,7 +497,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     if gemm and T * X > VEC_FEW_MAX_ROWS:
         many = 1                                   # gemm_i8 takes the experts of few tokens too
     if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
-        _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, ACT_NONE,
+        _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, 0, ACT_NONE,
                         numba.get_num_threads())
     if gemm:
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)

@@ -104,7 +104,9 @@ def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
 # out[t, r] = act(Wgate[r] . x[t]) * (Wup[r] . x[t]); grid (ceil(M / warps), T), for T = 1
 # (as products_q8).
 # Expert form: out[t, a, r] with the rows of expert ids[t, a] and x row t * X + (a or 0);
-# grid (ceil(M / warps), T * A), block row y = pair t * A + a.
+# grid (ceil(M / warps), T * A), block row y = pair t * A + a. An expert's matrix has ME rows:
+# M, or 2M for a merged gate_up (-muge: [E, 2M, RB], gate rows first), whose wu is then the
+# same bytes seen from row M on, so one byte offset reaches both rows.
 
 def _glu_kernel(qtype, experts, V):
     row_dot = row_dot_fn(qtype, V, NW=2)     # gate and up rows: both rows' loads in flight
@@ -112,12 +114,13 @@ def _glu_kernel(qtype, experts, V):
     def build():
         if experts:
             @cuda.jit
-            def glu_id_q8_kernel(out, wg, wu, xq, xds, ids, X, RB, K, act):
+            def glu_id_q8_kernel(out, wg, wu, xq, xds, ids, X, RB, K, act, ME):
                 M = out.shape[2]
                 A = ids.shape[1]
                 lane = cuda.threadIdx.x
                 r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-                t, a, base, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
+                t, a, _, xr = pair_row(ids, cuda.blockIdx.y, r, M, A, X, RB)
+                base = (ids[t, a] * ME + min(r, M - 1)) * RB
                 acc = cuda.local.array(2, f32)
                 isum = cuda.local.array(1, i32)
                 acc[0] = f32(0.0)
@@ -159,11 +162,15 @@ def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
 
 
 def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
-    """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB])."""
+    """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB]);
+    wu None: wg [E, 2M, RB] is merged (-muge), each expert's M gate rows then its M up rows."""
     T, A, M = out.shape
     _check_act(act)
+    RB, ME = wg.shape[2], wg.shape[1]
+    if wu is None:
+        wu = wg.reshape(wg.shape[0] * ME * RB)[M * RB:]
     _glu_kernel(qtype, True, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
-        out, wg, wu, xq, xds, ids, X, wg.shape[2], K, act)
+        out, wg, wu, xq, xds, ids, X, RB, K, act, ME)
 
 
 # ---------------------------------------------------------------- down_combine_q8

@@ -21,8 +21,10 @@ GET_ROWS_WEIGHTS = ("token_embd.weight",)
 
 
 def repackable(name, t, buftype):
+    # a merged gate / up (-muge) only where its up half starts a group of 16 rows
+    halves = "_gate_up_exps." not in name or (t.ne[1] // 2) % GROUP == 0
     return (buftype == "CPU" and int(t.ggml_type) in R16 and name not in GET_ROWS_WEIGHTS
-            and len(t.ne) >= 2 and t.ne[1] >= GROUP)
+            and len(t.ne) >= 2 and t.ne[1] >= GROUP and halves)
 
 
 def repack_weights(gguf, weights, placement):
@@ -38,7 +40,8 @@ def repack_weights(gguf, weights, placement):
             arr, qtype = repack_tensor(t.data, t.ggml_type)
             arr.flags.writeable = False   # typed as the GGUF's read-only weights: no second compile
             out[name] = arr, qtype
-            if id(t) not in shared:   # a tied embedding's pages stay: GET_ROWS reads them
+            # a tied embedding's pages stay (GET_ROWS reads them); a merge (-muge) has none
+            if id(t) not in shared and t.offset is not None:
                 gguf.drop_pages(t.offset, t.n_bytes)
             advance(t.n_bytes)
     return out, dict(tensors=len(out), bytes=sum(a.nbytes for a, _ in out.values()),

@@ -23,6 +23,7 @@ OPTIONAL_ROLES = (
     "attn_q_norm.weight", "attn_k_norm.weight",
     "attn_sinks.weight",                              # per-head logit joining each softmax
     "ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias",
+    "ffn_gate_up_exps.bias",                          # a shipped merged gate / up's (-muge)
     "exp_probs_b.bias",                               # added to the router's scores to choose only
     "ffn_gate_inp_shexp.weight",                      # sigmoid gate of the shared expert
 )
@@ -61,7 +62,7 @@ ARCHITECTURES = {
                          gating="softmax_topk", swa_pattern=2, ffn_norm="post_attention_norm",
                          optional=_BIASES + ("attn_sinks.weight", "ffn_gate_inp.bias",
                                              "ffn_gate_exps.bias", "ffn_up_exps.bias",
-                                             "ffn_down_exps.bias")),
+                                             "ffn_gate_up_exps.bias", "ffn_down_exps.bias")),
     # GLM-4.5 / 4.5-Air: q/k/v biases, q/k norms on the 355B only, sigmoid routing with a
     # selection bias, one shared expert, dense leading layers, half the head rotated, and a
     # NextN (MTP) block after the last layer, kept in the file but not run

@@ -12,9 +12,10 @@ from nbmoe.errors import NbmoeError
 from nbmoe.model.graph import Graph
 
 
-def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True):
+def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True, merged=frozenset()):
     """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
-    fused_moe (-fmoe): the experts' gate, up and GLU form one op, MUL_MAT_ID_GLU (moe_ffn)."""
+    fused_moe (-fmoe): the experts' gate, up and GLU form one op, MUL_MAT_ID_GLU (moe_ffn).
+    merged: the layers whose gate and up experts are one tensor, ffn_gate_up_exps (-muge)."""
     T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T)
@@ -27,7 +28,7 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True):
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
         if cfg.is_moe_layer(il):
-            moe_ffn(g, cfg, p, T, fused_moe)
+            moe_ffn(g, cfg, p, T, fused_moe, il in merged)
         else:
             dense_ffn(g, cfg, p, T, cfg.n_ff, "", "ffn_out")
         if f.post_norms:
@@ -118,11 +119,13 @@ def dense_ffn(g, cfg, p, T, F, suffix, out):
     g.add_node("MUL_MAT", out, (T, cfg.n_embd), [gate], p + f"ffn_down{suffix}.weight")
 
 
-def moe_ffn(g, cfg, p, T, fused=True):
+def moe_ffn(g, cfg, p, T, fused=True, merged=False):
     """Router -> gating -> top-k (-> renormalise, scale) -> GLU experts -> weighted sum
     [+ shared experts]. fused: the gate, up and GLU nodes are marked as one op,
     MUL_MAT_ID_GLU (params fused_op), which the backends bind as one fused kernel where they
-    have it (fusion.py); experts with gate / up biases stay three ops."""
+    have it (fusion.py); experts with gate / up biases stay apart. merged (-muge, or a file
+    that ships ffn_gate_up_exps): one product [T, A, 2F] makes each expert's gate and up
+    halves, and the GLU reads the two halves of it."""
     E, A, D, F = cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     _linear(g, cfg, p, "ffn_gate_inp", "router", (T, E), "h")                          # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
@@ -131,17 +134,22 @@ def moe_ffn(g, cfg, p, T, fused=True):
                norm=cfg.moe_norm_topk, gating=cfg.gating, scale=cfg.routed_scale,
                groups=(cfg.n_group, cfg.topk_group), also_writes=("expert_ids",))
 
-    def product(role, buf, shape, src):
+    def product(role, buf, shape, src, bias):
         g.add_node("MUL_MAT_ID", buf, shape, [src, "expert_ids"], p + role + ".weight")
-        if cfg.has(role + ".bias"):      # out[t, a] += b[expert of slot a]
+        if bias:                         # out[t, a] += b[expert of slot a]
             g.add_node("ADD_BIAS_ID", buf, shape, [buf, "expert_ids"], p + role + ".bias")
-    product("ffn_gate_exps", "exp_gate", (T, A, F), "h")                                 # [T, A, F]
-    product("ffn_up_exps", "exp_up", (T, A, F), "h")
-    g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.glu)
-    if fused and not (cfg.has("ffn_gate_exps.bias") or cfg.has("ffn_up_exps.bias")):
-        for n in g.nodes[-3:]:
+    biased = any(cfg.has(r + ".bias") for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"))
+    if merged:
+        product("ffn_gate_up_exps", "exp_gate_up", (T, A, 2 * F), "h", biased)           # [T, A, 2F]
+        g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate_up"], act=cfg.flags.glu)    # [T, A, F]
+    else:
+        product("ffn_gate_exps", "exp_gate", (T, A, F), "h", cfg.has("ffn_gate_exps.bias"))  # [T, A, F]
+        product("ffn_up_exps", "exp_up", (T, A, F), "h", cfg.has("ffn_up_exps.bias"))
+        g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.glu)
+    if fused and not biased:
+        for n in g.nodes[-2 if merged else -3:]:
             n.params["fused_op"] = "MUL_MAT_ID_GLU"
-    product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate")                          # [T, A, D]
+    product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate", cfg.has("ffn_down_exps.bias"))  # [T, A, D]
     g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])         # [T, D]
     if cfg.n_shared_expert:
         dense_ffn(g, cfg, p, T, cfg.n_ff_shexp, "_shexp", "shexp_out")
@@ -179,8 +187,11 @@ def expected_tensors(cfg, names):
             yield from linear("ffn_gate_inp", (D, E))
             if cfg.has("exp_probs_b.bias"):
                 yield p + "exp_probs_b.bias", (E,)
-            yield from linear("ffn_gate_exps", (D, F, E))
-            yield from linear("ffn_up_exps", (D, F, E))
+            if p + "ffn_gate_up_exps.weight" in names:     # shipped merged (llama.cpp's layout)
+                yield from linear("ffn_gate_up_exps", (D, 2 * F, E))
+            else:
+                yield from linear("ffn_gate_exps", (D, F, E))
+                yield from linear("ffn_up_exps", (D, F, E))
             yield from linear("ffn_down_exps", (F, D, E))
             if cfg.n_shared_expert:
                 Fs = cfg.n_ff_shexp

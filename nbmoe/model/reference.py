@@ -153,6 +153,12 @@ def moe(h, W, B, p, cfg):
     top, wts = route(logits, cfg, sel)
     gate, up, down = (W(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
     bg, bu, bd = (B(f"ffn_{n}_exps.bias") for n in ("gate", "up", "down"))  # [E, F] / [E, D] or 0
+    if gate is None:          # a shipped ffn_gate_up_exps [E, 2F, D]: gate rows, then up rows
+        gu, bgu = W(p + "ffn_gate_up_exps.weight"), B("ffn_gate_up_exps.bias")
+        F = gu.shape[1] // 2
+        gate, up = gu[:, :F], gu[:, F:]
+        if np.ndim(bgu):
+            bg, bu = bgu[:, :F], bgu[:, F:]
     pick = lambda b, e: b[e] if np.ndim(b) else 0.0                           # noqa: E731
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
@@ -216,8 +222,8 @@ def forward(cfg, tensors, tokens):
     cache = {}
 
     def W(name):
-        if name not in cache:
-            cache[name] = weight(tensors, name)
+        if name not in cache:     # (a merged file has no ffn_gate_exps / ffn_up_exps: None)
+            cache[name] = weight(tensors, name) if name in tensors or "_exps." not in name else None
         return cache[name]
 
     f, eps = cfg.flags, cfg.norm_eps

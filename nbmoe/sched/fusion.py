@@ -7,7 +7,8 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   products      2-3 MUL_MAT of one input, weights of one type (q, k, v)          T = 1
   glu           MUL_MAT gate, MUL_MAT up (one input), GLU of the two              T = 1
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
-                (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e. -fmoe 1)
+                (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e. -fmoe 1); or,
+                merged (-muge), MUL_MAT_ID gate_up, GLU of its two halves
   down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
@@ -118,6 +119,10 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
                 and (op == "MUL_MAT" or n0.params.get("fused_op") == "MUL_MAT_ID_GLU")
                 and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
             return kind, [n0, n1, n2]
+    if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, vec_ok)
+            and n0.params.get("fused_op") == "MUL_MAT_ID_GLU" and n1.op == "GLU"
+            and n1.backend == backend and n1.srcs == (n0.out,)):
+        return "glu_id", [n0, n1]              # merged gate / up (-muge)
     # products of one input
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
         run = [n0]
@@ -246,16 +251,21 @@ def _ffn_block(run, product, wtype):
 
 def _moe_block(run, product, wtype):
     """Nodes in a moe_block at the front of run (0 if none): RMS_NORM x -> h; router of h;
-    TOPK_MOE; expert gate, up of h (one type); GLU; expert down; MOE_COMBINE; [RMS_NORM];
-    ADD x = x + combined."""
+    TOPK_MOE; expert gate, up of h (one type), GLU, or (-muge) gate_up of h, GLU of its halves;
+    expert down; MOE_COMBINE; [RMS_NORM]; ADD x = x + combined."""
     w = _Walk(run)
     norm = w.take("RMS_NORM")
     x, h = norm.srcs[0], norm.out
     router = w.take("MUL_MAT", (h,))
     topk = w.take("TOPK_MOE", (router.out,)) if w.ok else None
     ids = topk.params["also_writes"][0] if w.ok else None
-    gate, up = w.take("MUL_MAT_ID", (h, ids)), w.take("MUL_MAT_ID", (h, ids))
-    glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
+    gate = w.take("MUL_MAT_ID", (h, ids))
+    nxt = w.peek()
+    if nxt is not None and nxt.op == "GLU" and nxt.srcs == (gate.out,):     # merged
+        up, glu = gate, w.take("GLU")
+    else:
+        up = w.take("MUL_MAT_ID", (h, ids))
+        glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
     down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
     comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
     if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))

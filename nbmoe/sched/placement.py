@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nbmoe.errors import NbmoeError
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
-EXPERT_TENSORS = r"\.ffn_(up|down|gate)_exps\."
+EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_exps\."
 
 
 @dataclass(frozen=True)
