@@ -216,6 +216,14 @@ class ScriptedEngine:
         self.step += 1
         return logits
 
+    def decode_slots(self, rows):
+        import numpy as np
+        out = []
+        for slot, tok in rows:
+            self.use_slot(slot)
+            out.append(self.eval_last([tok]))
+        return np.stack(out)
+
 
 @pytest.mark.parametrize("stop,text", [([], "Six — ünïcödé 😀."), (["ünï", "zz"], "Six — ")])
 def test_worker_answers_with_the_final_channel(stop, text):
