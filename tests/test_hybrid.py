@@ -68,12 +68,12 @@ def test_slots_on_the_gpu(whole):
         assert close(g, np.concatenate([ref.eval([t]) for t in seq]))
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_decode_slots_on_the_gpu(whole, kv_type):
+def test_decode_slots_on_the_gpu(whole):
     """Three slots' next tokens as one batch on the GPU (the decoding kernel per row, over the
-    whole cache): each row's logits are the CPU's for its slot alone."""
+    whole cache): each row's logits are the CPU's for its slot alone. (The cache types:
+    test_cuda_kv_types.py's test_attention_rows.)"""
     from test_api import batched_vs_alone
-    llm = load(whole, n_gpu_layers=99, n_slots=3, cache_type_k=kv_type, cache_type_v=kv_type)
+    llm = load(whole, n_gpu_layers=99, n_slots=3)
     steps = [[(2, 13), (0, 11), (1, 12)]] + ([] if cuda_setup.SIM else [[(1, 40), (2, 41)]])
     got, want = batched_vs_alone(llm, [[5, 6], [20, 21, 22], [3]], steps)
     for g, w in zip(got, want):
