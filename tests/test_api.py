@@ -106,7 +106,8 @@ def batched_vs_alone(llm, prompts, steps):
     for s, p in enumerate(prompts):
         llm.use_slot(s)
         llm.reset()
-        llm.eval(p)
+        if p:
+            llm.eval(p)
     ref = nbmoe.load(llm.path, n_ctx=llm.n_ctx, threads=2, cache_type_k=llm.kv.type_k,
                      cache_type_v=llm.kv.type_v)
     got, want = [], []
