@@ -252,13 +252,16 @@ class LLM:
         """Empty the active slot's KV cache."""
         self.tokens = []
 
-    def plan(self, n_tokens, n_logits):
-        share = self.zce_share if n_tokens == 1 else 0
+    def plan(self, n_tokens, n_logits, per_row=False):
+        """The bound plan of a micro-batch (made once per shape). per_row: each row is another
+        slot's next token (decode_slots); it reads the whole cache, so one plan (one CUDA graph
+        per batch size) serves every mix of slots."""
+        share = self.zce_share if n_tokens == 1 and not per_row else 0
         graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
-        key = (n_tokens, n_logits, share, self.slot if graphed else 0)
+        key = (n_tokens, n_logits, share, "rows" if per_row else self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,
-                            self.merged_layers)
+                            self.merged_layers, per_row)
             if share:       # -zce: a GPU computes part of each layer's chosen experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
                                        for il in range(self.cfg.n_layer)])
@@ -320,6 +323,48 @@ class LLM:
             for s in steps:
                 s.measure = False
         self.zce_share = self.balancer.update(*measured_times(steps))
+
+    def decode_slots(self, rows):
+        """One token for each of several slots as one batch: rows [(slot, token id), ...], a
+        slot at most once. Every weight is read once for all rows; only rope, the KV write and
+        attention are per row (each over its own slot's cache). Returns logits [B, n_vocab]
+        float32, row b for rows[b]; each token is appended to its slot's tokens."""
+        rows = [(int(s), int(t)) for s, t in rows]
+        slots = [s for s, _ in rows]
+        if not rows:
+            raise NbmoeError("nothing to evaluate: no slot given")
+        if len(set(slots)) != len(slots):
+            raise NbmoeError(f"decode_slots: a slot appears twice in {slots}")
+        for s, tok in rows:
+            if not 0 <= s < len(self.slots):
+                raise NbmoeError(f"slot {s} does not exist (the engine has {len(self.slots)})")
+            if len(self.slots[s].tokens) + 1 > self.n_ctx:
+                raise NbmoeError(f"slot {s} is full: its context of {self.n_ctx} tokens holds no "
+                                 f"more (use a larger -c / n_ctx)")
+            if not 0 <= tok < self.cfg.n_vocab:
+                raise NbmoeError(f"token id {tok} outside the vocabulary of {self.cfg.n_vocab}")
+        if len(rows) == 1:           # one slot: the one-token path and its fused kernels
+            active = self.slot
+            self.use_slot(slots[0])
+            try:
+                return self._decode([rows[0][1]], all_logits=True)
+            finally:
+                self.use_slot(active)
+        numba.set_num_threads(self.threads)
+        B = len(rows)
+        plan = self.plan(B, B, per_row=True)
+        pos = np.array([len(self.slots[s].tokens) for s in slots], np.int32)
+        plan.buffers["tokens"][:] = [t for _, t in rows]
+        plan.buffers["pos"][:] = pos
+        plan.buffers["kv_row"][:] = pos + np.array([self.slots[s].kv.start for s in slots], np.int32)
+        view, self.state.kv = self.state.kv, self.kv     # the per-row kernels address the whole cache
+        try:
+            plan.run()
+        finally:
+            self.state.kv = view
+        for s, tok in rows:
+            self.slots[s].tokens.append(tok)
+        return plan.buffers["logits"].copy()
 
     def eval(self, ids):
         """Logits [len(ids), n_vocab] float32 for `ids`, appended after the cached tokens."""

@@ -128,6 +128,26 @@ def attention(q, k_all, v_all, pos0, scale, window=0, sinks=None):
     return out
 
 
+def attention_rows(q, k_all, v_all, pos, rows, scale, window=0, sinks=None):
+    """Row t of q [T, H, Dh] is one token of its own sequence, whose cache rows start at
+    rows[t] - pos[t]: attention() of that sequence at position pos[t]."""
+    return np.concatenate([attention(q[t:t + 1], k_all[rows[t] - pos[t]:], v_all[rows[t] - pos[t]:],
+                                     pos[t], scale, window, sinks) for t in range(q.shape[0])])
+
+
+def rows_case(C, H, Hkv, Dh):
+    """Three sequences of one cache of C rows, at starts 0, C/3, 2C/3 and positions 5, 20, 0,
+    the other rows random too (a row that read past its sequence would see them): (q, new k,
+    new v, k_all, v_all with the new rows in, pos, rows)."""
+    pos = np.array([5, 20, 0], np.int32)
+    rows = pos + np.array([0, C // 3, 2 * C // 3], np.int32)
+    k_all, v_all = rnd(C, Hkv, Dh, seed=3), rnd(C, Hkv, Dh, seed=4)
+    k, v, q = rnd(3, Hkv, Dh, seed=5), rnd(3, Hkv, Dh, seed=6), rnd(3, H, Dh, seed=7, scale=2.0)
+    k_new, v_new = k_all.copy(), v_all.copy()
+    k_new[rows], v_new[rows] = k, v
+    return q, k, v, k_all, v_all, k_new, v_new, pos, rows
+
+
 def topk_route(logits, A, norm, gating=0, scale=1.0, bias=None, n_group=0, topk_group=0):
     """ids [T, A], weights [T, A], as llama.cpp's build_moe_ffn: probs = softmax over E (0),
     sigmoid (1) or the logits (2); the A largest probs + bias (ties: lower index first), among

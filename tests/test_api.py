@@ -99,6 +99,45 @@ def test_slots_share_the_cache(tiny_model):
         llm.use_slot(2)
 
 
+def batched_vs_alone(llm, prompts, steps):
+    """Feed each prompt to its slot, then decode `steps` rounds of (slot, token) rows as one
+    batch each (llm.decode_slots); returns (batched, alone) logits per round, alone from
+    each slot's sequence fed on its own to slot 0 of an engine of one slot."""
+    for s, p in enumerate(prompts):
+        llm.use_slot(s)
+        llm.reset()
+        if p:
+            llm.eval(p)
+    ref = nbmoe.load(llm.path, n_ctx=llm.n_ctx, threads=2, cache_type_k=llm.kv.type_k,
+                     cache_type_v=llm.kv.type_v)
+    got, want = [], []
+    for rows in steps:
+        got.append(llm.decode_slots(rows))
+        alone = []
+        for s, tok in rows:
+            ref.reset()
+            alone.append(ref.eval(llm.slots[s].tokens)[-1])
+            assert llm.slots[s].tokens[-1] == tok
+        want.append(np.stack(alone))
+    return got, want
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_decode_slots_is_each_slot_alone(tiny_model, kv_type):
+    """Three slots at different positions (past gpt-oss's 8-token window on layer 0, with
+    sinks) decoded as one batch, in any row order, then two of them: each row's logits are
+    its slot's decoded alone."""
+    llm = nbmoe.load(tiny_model("gpt-oss", default_type="Q8_0"), n_ctx=96, threads=2, n_slots=3,
+                     cache_type_k=kv_type, cache_type_v=kv_type)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 32)), [3, 4]]
+    got, want = batched_vs_alone(llm, prompts, [[(2, 13), (0, 11), (1, 12)], [(1, 40), (2, 41)]])
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(g - w).max() <= 1e-4 * np.abs(w).max()
+    assert llm.decode_slots([(0, 7)]).shape == (1, llm.cfg.n_vocab)       # one row: the one-token path
+    with pytest.raises(nbmoe.NbmoeError, match="a slot appears twice"):
+        llm.decode_slots([(0, 1), (0, 2)])
+
+
 # ---- generation's end, the context, threads ----------------------------------------------
 
 def test_generate_reports_why_it_stopped(tiny_model):

@@ -42,6 +42,28 @@ def test_store_kv_and_attention(types, small, monkeypatch):
         check(f"attention {types} T={T}", out.copy_to_host(), naive.attention(q, kr, vr, p, 0.125))
 
 
+@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "bf16")])
+def test_attention_rows(types, small, monkeypatch):
+    """decode_slots' rows on the GPU: keys written at each row's cache row, each row over its
+    own sequence (key splits and their merge, a window, sinks)."""
+    monkeypatch.setattr(att, "SPLIT_KEYS", 4)
+    H, Hkv, Dh, C = 2, 1, 32, 36
+    q, k, v, k_all, v_all, k_new, v_new, pos, rows = naive.rows_case(C, H, Hkv, Dh)
+    kc, vc = caches(types, C, Hkv, Dh)
+    cpu_att.store_kv(kc, vc, k_all, v_all, 0)
+    dkc, dvc = cuda.to_device(kc), cuda.to_device(vc)
+    att.store_kv_rows(dkc, dvc, dev(k), dev(v), dev(rows))
+    cpu_att.store_kv_rows(kc, vc, k, v, rows)
+    assert np.array_equal(dkc.copy_to_host(), kc) and np.array_equal(dvc.copy_to_host(), vc)
+    kr, vr = naive.kv_round(k_new, types[0]), naive.kv_round(v_new, types[1])
+    for window, sinks in ((0, None), (4, rnd(H, seed=8))):
+        out = poisoned(q.shape)
+        att.attention_rows(out, dev(q), dkc, dvc, dev(pos), dev(rows), 0.125, window,
+                           None if sinks is None else dev(sinks))
+        check(f"attention_rows {types} window {window}", out.copy_to_host(),
+              naive.attention_rows(q, kr, vr, pos, rows, 0.125, window, sinks))
+
+
 def test_rope_attention_writes_q8_0_rows(small, monkeypatch):
     """Decoding attention that norms, rotates and stores the new key itself: the same output
     and cache bytes as norm_rope_store + attention, on a q8_0 cache."""

@@ -68,6 +68,18 @@ def test_slots_on_the_gpu(whole):
         assert close(g, np.concatenate([ref.eval([t]) for t in seq]))
 
 
+def test_decode_slots_on_the_gpu(whole):
+    """Two slots' next tokens as one batch on the GPU (the decoding kernel per row, over the
+    whole cache): slot 2 (its first token) and slot 0 (at position 2) give the CPU's logits
+    for each alone. (The cache types: test_cuda_kv_types.py's test_attention_rows.)"""
+    from test_api import batched_vs_alone
+    llm = load(whole, n_gpu_layers=99, n_slots=3)
+    steps = [[(2, 13), (0, 11)]] + ([] if cuda_setup.SIM else [[(1, 40), (2, 41), (0, 42)]])
+    got, want = batched_vs_alone(llm, [[5, 6], [], []], steps)      # (the simulator: 2 GPU runs)
+    for g, w in zip(got, want):
+        assert close(g, w)
+
+
 @pytest.mark.parametrize("placement", [
     dict(n_gpu_layers=99),                                   # everything on the GPU
     dict(n_gpu_layers=99, override_tensors=["exps=CPU"]),    # experts in RAM (-zce auto: 1 of 2 on the GPU)

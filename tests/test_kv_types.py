@@ -60,6 +60,23 @@ def test_attention_over_quantized_cache(T, types):
         assert max_rel(out, ref) < RTOL, (fn, types)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_attention_rows_reads_each_rows_sequence(kv_type):
+    """A batch of three sequences' next tokens (decode_slots): each row's key and value go to
+    its own cache row, and it attends over its sequence's rows only (a window, sinks)."""
+    H, Hkv, Dh, C = 4, 2, 64, 72
+    q, k, v, k_all, v_all, k_new, v_new, pos, rows = naive.rows_case(C, H, Hkv, Dh)
+    kc, vc = empty_cache(kv_type, C, Hkv, Dh), empty_cache(kv_type, C, Hkv, Dh)
+    att.store_kv(kc, vc, k_all, v_all, 0)
+    att.store_kv_rows(kc, vc, k, v, rows)
+    kr, vr = naive.kv_round(k_new, kv_type), naive.kv_round(v_new, kv_type)
+    for window, sinks in ((0, ops.EMPTY), (4, rnd(H, seed=8))):
+        out = np.full_like(q, np.nan)
+        att.attention_rows(out, q, kc, vc, pos, rows, 0.125, window, sinks)
+        ref = naive.attention_rows(q, kr, vr, pos, rows, 0.125, window, sinks if sinks.size else None)
+        assert max_rel(out, ref) < RTOL, (window, kv_type)
+
+
 class _Cfg:
     n_layer, n_head_kv, is_mla = 2, 2, False
 

@@ -164,6 +164,8 @@ class Backend:
         return fa
 
     def bind_attn(self, node, buf, state):
+        if "kv_row" in node.srcs:
+            return self._bind_attn_rows(node, buf, state)
         out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
@@ -180,6 +182,20 @@ class Backend:
                 kc, vc = state.kv.k[layer], state.kv.v[layer]
                 attn.store_kv(kc, vc, k, v, state.pos0)
                 attn.attention(out, q, kc, vc, state.pos0, scale, window, **extra)
+        return run
+
+    def _bind_attn_rows(self, node, buf, state):
+        """A per-row batch (several slots' next tokens): row t stores its key and value at
+        cache row kv_row[t] and attends over its own slot's rows; state.kv is the whole cache."""
+        out, q, k, v, pos, rows = (buf[n] for n in (node.out,) + node.srcs)
+        layer, attn = node.params["layer"], self.attn
+        scale, window = node.params["scale"], node.params["window"]
+        sinks = self.sinks(node) if self.sinks(node) is not None else self.empty()
+
+        def run():
+            kc, vc = state.kv.k[layer], state.kv.v[layer]
+            attn.store_kv_rows(kc, vc, k, v, rows)
+            attn.attention_rows(out, q, kc, vc, pos, rows, scale, window, sinks)
         return run
 
     def bind_add(self, node, buf, state):

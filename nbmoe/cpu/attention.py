@@ -65,6 +65,20 @@ def store_kv(k_cache, v_cache, k, v, pos0):
             store_row(v_cache[pos0 + t, g], v[t, g])
 
 
+# Per-row batches (several sequences' next tokens, model/graph.py's per_row): row t's key and
+# value go to cache row rows[t], and its sequence's rows start at rows[t] - pos[t].
+
+@njit(cache=True, error_model="numpy")
+def store_kv_rows(k_cache, v_cache, k, v, rows):
+    """Write k, v [T, Hkv, Dh] into cache rows rows[t]."""
+    for t in range(k.shape[0]):
+        if rows[t] < 0 or rows[t] >= k_cache.shape[0]:
+            raise ValueError("store_kv_rows: a row is outside the KV cache")
+        for g in range(k.shape[1]):
+            store_row(k_cache[rows[t], g], k[t, g])
+            store_row(v_cache[rows[t], g], v[t, g])
+
+
 # ---------------------------------------------------------------- decode (T = 1)
 # out[0, h] = softmax_j(scale * q[0, h] . k[j, g]) @ v[j, g]   with g = h // G, over keys
 # j in [lo, hi) = [max(0, pos0 + 1 - window) if window else 0, pos0 + 1).
@@ -412,6 +426,19 @@ def decode_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks):
         _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     else:
         _decode_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks)
+
+
+@njit(cache=True, error_model="numpy")
+def attention_rows(out, q, k_cache, v_cache, pos, rows, scale, window, sinks):
+    """Row t of q [T, H, Dh] is one token of its own sequence, at position pos[t], stored at
+    cache row rows[t]: decode_attention over that sequence's rows rows[t] - pos[t] ..
+    rows[t] (store_kv_rows first); out may alias q."""
+    for t in range(q.shape[0]):
+        start = rows[t] - pos[t]
+        if start < 0 or rows[t] >= k_cache.shape[0]:
+            raise ValueError("attention_rows: a row's keys are outside the KV cache")
+        decode_attention(out[t:t + 1], q[t:t + 1], k_cache[start:], v_cache[start:], pos[t],
+                         scale, window, sinks)
 
 
 @njit(cache=True, error_model="numpy")

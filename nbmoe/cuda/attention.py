@@ -94,10 +94,12 @@ def store_kv(k_cache, v_cache, k, v, pos, stream=0):
 # partial results, not 128. min_keys = 0: all P splits share the keys.
 
 @device_fn
-def key_range(pos0, t, window):
-    """The keys [lo, hi) that query t of a batch starting at position pos0 sees."""
-    hi = pos0 + t + 1
-    return (max(0, hi - window) if window > 0 else 0), hi
+def key_range(pos, rows, t, window):
+    """The cache rows [lo, hi) that query t sees: its sequence's (which starts at row
+    rows[t] - pos[t]) up to its own row rows[t]. A batch of one sequence passes pos as rows."""
+    hi = rows[t] + 1
+    lo = hi - pos[t] - 1
+    return (max(lo, hi - window) if window > 0 else lo), hi
 
 
 @device_fn
@@ -181,7 +183,7 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
     VB, _, v_row, store_v = row_fns(Dh, VT)
 
     @cuda.jit
-    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, scale, window, sinks,
+    def attention_kernel(out, part_acc, part_ml, q, k_cache, v_cache, pos, rows, scale, window, sinks,
                          min_keys, xq, xds, quant, k, v, kc16, vc16, wq, wk, eps, do_norm,
                          n_rot, neox, rope):
         H = q.shape[1]
@@ -194,7 +196,7 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
         hh = min(h, H - 1)
         g = hh // G
         p = cuda.blockIdx.z
-        lo, hi = key_range(pos[0], t, window)
+        lo, hi = key_range(pos, rows, t, window)
         Pa = active_splits(hi - lo, P, min_keys)
         if p >= Pa:
             return                                 # the whole block: its split has no keys
@@ -325,13 +327,13 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
 # A sink (sinks[h], when given) joins here, once: M = max(M, sink), den += exp(sink - M).
 
 @cuda.jit
-def merge_splits_kernel(out, part_acc, part_ml, P, pos, window, sinks, min_keys, xq, xds, quant):
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant):
     T, H, Dh = out.shape
     idx = cuda.grid(1)
     if idx >= T * H * Dh:
         return
     t = idx // (H * Dh)
-    lo, hi = key_range(pos[0], t, window)
+    lo, hi = key_range(pos, rows, t, window)
     Pa = active_splits(hi - lo, P, min_keys)
     if Pa == 1:
         return                                     # attention wrote out itself
@@ -398,6 +400,23 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
             sinks)
 
 
+# Per-row batches (several sequences' next tokens, model/graph.py's per_row): row t's key
+# and value go to cache row rows[t] (store_kv with rows for positions), and it attends over
+# its sequence's rows rows[t] - pos[t] .. rows[t] with the decoding kernel (key splits).
+
+def store_kv_rows(k_cache, v_cache, k, v, rows, stream=0):
+    """Write k, v [T, Hkv, Dh] into cache rows rows[t] (device int32 [T])."""
+    store_kv(k_cache, v_cache, k, v, rows, stream)
+
+
+def attention_rows(out, q, k_cache, v_cache, pos, rows, scale, window, sinks, stream=0):
+    """Row t of q [T, H, Dh] is one token of its own sequence at position pos[t], stored at
+    cache row rows[t] (pos, rows: device int32 [T]); attention over that sequence's rows."""
+    if q.shape[0]:
+        _launch(out, q, k_cache, v_cache, pos, scale, window, stream, None, None, None,
+                _sinks(sinks, q.shape[1]), rows=rows)
+
+
 def flash_used(T, Dh, kv_types=("f16", "f16")):
     """Whether a batch of T tokens with head dim Dh over a cache of these (key, value) types
     has a flash kernel (flash.py): prompts only (decoding has its key-split kernel), Dh as
@@ -442,12 +461,12 @@ def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, msca
     _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, _sinks(sinks, H))
 
 
-def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, sinks):
+def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope, sinks, rows=None):
     T, H, Dh = q.shape
     C = k_cache.shape[0]
     cap = C if window == 0 else min(C, window)                # most keys a query can see
     P = 1
-    if T <= SPLIT_MAX_T and cap >= 2 * SPLIT_KEYS:
+    if (T <= SPLIT_MAX_T or rows is not None) and cap >= 2 * SPLIT_KEYS:
         P = min(MAX_SPLITS, cap // SPLIT_KEYS)
     hb = min(HEADS_PER_BLOCK, H)
     grid = (T, (H + hb - 1) // hb, P)
@@ -464,12 +483,13 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope,
     else:
         part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))     # splits p < P used
         part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, f32(scale),
+    rows = pos if rows is None else rows
+    kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, rows, f32(scale),
                                  int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant, *rope)
     if P > 1:
         m = T * H * Dh
         merge_splits_kernel[(m + 127) // 128, 128, stream](
-            out, part_acc, part_ml, P, pos, int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant)
+            out, part_acc, part_ml, P, pos, rows, int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant)
 
 
 def _no_rope():

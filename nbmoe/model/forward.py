@@ -12,13 +12,16 @@ from nbmoe.errors import NbmoeError
 from nbmoe.model.graph import Graph
 
 
-def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True, merged=frozenset()):
+def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True, merged=frozenset(),
+                per_row=False):
     """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
     fused_moe (-fmoe): the experts' gate, up and GLU form one op, MUL_MAT_ID_GLU (moe_ffn).
-    merged: the layers whose gate and up experts are one tensor, ffn_gate_up_exps (-muge)."""
+    merged: the layers whose gate and up experts are one tensor, ffn_gate_up_exps (-muge).
+    per_row: each row is the next token of its own sequence (Graph's kv_row); attention
+    reads the row's sequence only."""
     T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
-    g = Graph(T)
+    g = Graph(T, per_row)
     g.add_node("GET_ROWS", "x", (T, D), ["tokens"], "token_embd.weight")                # [T, D]
     if f.embed_scale:
         g.add_node("SCALE", "x", (T, D), ["x"], s=math.sqrt(D))
@@ -50,6 +53,12 @@ def _linear(g, cfg, p, role, out, shape, src):
         g.add_node("ADD_BIAS", out, shape, [out], p + role + ".bias")
 
 
+def _kv_rows(g):
+    """ATTN's extra input in a per-row graph: each row's cache row (its sequence's start there
+    is kv_row - pos)."""
+    return ["kv_row"] if g.per_row else []
+
+
 def attention(g, cfg, p, il, T):
     """x += o(attn(rope(norm(q)), rope(norm(k)), v)), q, k, v = attn_norm(x) @ Wq, Wk, Wv."""
     D, H, Hkv, Dh, f, eps = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.flags, cfg.norm_eps
@@ -64,7 +73,7 @@ def attention(g, cfg, p, il, T):
     g.add_node("ROPE", "q", (T, H, Dh), ["q", "pos"], **rope)
     g.add_node("ROPE", "k", (T, Hkv, Dh), ["k", "pos"], **rope)
     sinks = p + "attn_sinks.weight" if cfg.has("attn_sinks.weight") else None
-    g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v", "pos"], layer=il,
+    g.add_node("ATTN", "attn", (T, H, Dh), ["q", "k", "v", "pos"] + _kv_rows(g), layer=il,
                scale=cfg.attn_scale, window=cfg.layer_window(il), sinks=sinks)
     _linear(g, cfg, p, "attn_output", "o", (T, D), "attn")                             # [T, D]
     if f.post_norms:
@@ -102,7 +111,7 @@ def mla_attention(g, cfg, p, il, T):
     g.add_node("SLICE", "k_pe", (T, 1, Dr), ["kv"], cols=(R, K))
     g.add_node("ROPE", "k_pe", (T, 1, Dr), ["k_pe", "pos"], **rope)
     g.add_node("SLICE", "kv", (T, 1, K), ["k_pe", "kv"], cols=(0, Dr), at=R)
-    g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"], layer=il,
+    g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"] + _kv_rows(g), layer=il,
                scale=cfg.attn_scale, window=0, sinks=None)
     g.add_node("SLICE", "attn_lat", (T, H, R), ["attn"], cols=(0, R))
     g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn_lat"], p + "attn_v_b.weight")  # [T, H, Dv]

@@ -70,13 +70,19 @@ class Node:
 class Graph:
     """Builder and container: `g.mul_mat("h", "blk.0.attn_q.weight", out="q", shape=...)`."""
 
-    def __init__(self, n_tokens):
+    def __init__(self, n_tokens, per_row=False):
         self.n_tokens = n_tokens
         self.buffers = {}
         self.nodes = []
         self.inputs = ("tokens", "pos")
         self.buffer("tokens", (n_tokens,), np.int32)
         self.buffer("pos", (n_tokens,), np.int32)
+        # per_row: each row is another sequence's next token (several slots decoded as one
+        # batch); kv_row[t] is its row in the whole cache, where its key and value go
+        self.per_row = per_row
+        if per_row:
+            self.inputs += ("kv_row",)
+            self.buffer("kv_row", (n_tokens,), np.int32)
 
     def buffer(self, name, shape, dtype=np.float32):
         shape = tuple(int(s) for s in shape)

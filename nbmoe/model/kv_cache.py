@@ -65,6 +65,7 @@ class KVCache:
         per_layer = nbytes(shape_k, dk) + (0 if cfg.is_mla else nbytes(shape_v, dv))
         check_memory(per_layer * layer_backends.count("CPU"), f"a KV cache of {n_ctx} tokens")
         self.n_ctx, self.n_bytes, self.backends = n_ctx, per_layer * cfg.n_layer, layer_backends
+        self.start = 0                # (as a view's: where its positions begin in the arrays)
         self.f16_bytes = (1 if cfg.is_mla else 2) * n_ctx * Hkv * Dh * 2 * cfg.n_layer
         self.type_k, self.type_v = type_k, type_v
         self.k = [allocators[b](shape_k, dk) for b in layer_backends]
@@ -92,6 +93,6 @@ class KVView:
     """Positions start .. start + n - 1 of every layer's cache: the cache of one slot."""
 
     def __init__(self, cache, start, n):
-        self.n_ctx, self.backends = n, cache.backends
+        self.n_ctx, self.backends, self.start = n, cache.backends, start
         self.k = [a[start:start + n] for a in cache.k]
         self.v = self.k if cache.v is cache.k else [a[start:start + n] for a in cache.v]

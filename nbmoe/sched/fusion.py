@@ -150,7 +150,8 @@ def _match_rope_attn(nodes, i, backend):
         if nodes[j].op == "ATTN":
             break
     attn = run[-1]
-    if attn.op != "ATTN" or any(n.backend != backend for n in run):
+    # (per-row ATTN: the fused kernels write the key at its position, not at its own kv_row)
+    if attn.op != "ATTN" or "kv_row" in attn.srcs or any(n.backend != backend for n in run):
         return None
     q, k = attn.srcs[0], attn.srcs[1]
     head = run[:-1]

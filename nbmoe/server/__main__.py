@@ -2,8 +2,8 @@
 `python -m nbmoe.server -m model.gguf [--port 8080] [-np 4] [placement flags]`.
 
 Routes: /v1/chat/completions, /v1/completions (streamed or not), /v1/models, /health.
--np N slots share the context -c (n_ctx // N tokens each) and take turns on the engine;
-more requests than slots wait in a queue.
+-np N slots share the context -c (n_ctx // N tokens each); their generated tokens are
+decoded as one batch a step; more requests than slots wait in a queue.
 """
 import argparse
 

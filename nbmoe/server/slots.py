@@ -1,14 +1,14 @@
-"""The engine's one worker thread: requests in slots, taking turns, and a FIFO queue.
+"""The engine's one worker thread: requests in slots, batched decoding, and a FIFO queue.
 
 The engine has N slots (llm.use_slot), each with its own part of the KV cache. A new request
 goes to the idle slot whose cached tokens share the longest prefix with its prompt (that
 prefix is not evaluated again) if that prefix is at least SIMILARITY of the prompt, else to
 the idle slot used least recently (as llama-server's slot similarity: a short common
 start, a system prompt, does not evict another conversation's cache); it waits in the queue
-while every slot is busy. The worker
-serves the busy slots round-robin, one step each per turn: a prompt micro-batch, or one
-generated token, so that every client makes progress. (Slots take turns: their tokens are
-not batched together.)
+while every slot is busy. Each turn of the worker, every slot still reading its prompt
+evaluates one micro-batch of it, in slot order; then every slot that is generating gives
+its next token to one batch (llm.decode_slots: continuous batching, as llama-server's), so
+the weights are read once a step for all of them.
 
 A Job's events go to its consumer through `emit` (a thread-safe callback): ("text", str),
 then ("done", finish_reason, usage) or ("error", message). cancel() (a client that went away)
@@ -36,7 +36,6 @@ class Job:
         self.slot = None
         self.todo = None           # prompt ids still to evaluate (after the reused prefix)
         self.next_token = None     # the token sampled last, to evaluate before the next one
-        self.logits = None
         self.n_gen = 0
         self.text = None           # the reply's channel splitter (reply_stream / PlainStream)
 
@@ -100,13 +99,24 @@ class SlotWorker:
                 if self.closed:
                     return
                 turn = [j for j in self.jobs if j is not None]
-            for job in turn:        # one step each, in slot order
+            for job in turn:
                 if job.cancelled:
                     self._free(job)
-                    continue
-                try:
-                    self._step(job)
-                except Exception as e:      # the request fails; the server goes on
+            turn = [j for j in turn if not j.cancelled]
+            for job in turn:        # prompts: one micro-batch each, in slot order
+                if job.next_token is None:
+                    self._guard([job], self._prompt_step, job)
+            generating = [j for j in turn if j.next_token is not None and self.jobs[j.slot] is j]
+            if generating:          # then one token of every generating slot, as one batch
+                self._guard(generating, self._decode_step, generating)
+
+    def _guard(self, jobs, step, *args):
+        """Run a step; if it raises, its jobs fail (one error each) and the server goes on."""
+        try:
+            step(*args)
+        except Exception as e:
+            for job in jobs:
+                if self.jobs[job.slot] is job:
                     job.emit(("error", f"{type(e).__name__}: {e}"))
                     self._free(job)
 
@@ -128,26 +138,34 @@ class SlotWorker:
         with self.cond:
             self.jobs[job.slot] = None
 
-    def _step(self, job):
+    def _prompt_step(self, job):
         llm = self.llm
         llm.use_slot(job.slot)
         if job.todo is None:      # the first step: keep the slot's cached prefix of the prompt
             job.todo = llm.reuse_prefix(job.ids)
             job.text = reply_stream(llm.tokenizer) if job.chat else PlainStream(llm.tokenizer)
-        if job.next_token is not None:
-            job.logits, job.next_token = llm.eval_last([job.next_token]), None
-        elif job.todo:
-            chunk, job.todo = job.todo[:llm.n_ubatch], job.todo[llm.n_ubatch:]
-            job.logits = llm.eval_last(chunk)
-            if job.todo:
-                return
-        tok = job.sampler.sample(job.logits, llm.tokens)
+        chunk, job.todo = job.todo[:llm.n_ubatch], job.todo[llm.n_ubatch:]
+        logits = llm.eval_last(chunk)
+        if not job.todo:
+            self._take(job, logits)
+
+    def _decode_step(self, jobs):
+        logits = self.llm.decode_slots([(j.slot, j.next_token) for j in jobs])    # [B, V]
+        for job, row in zip(jobs, logits):
+            job.next_token = None
+            self._guard([job], self._take, job, row)
+
+    def _take(self, job, logits):
+        """Sample the job's next token and send its text; finish the job, or keep the token
+        for the next batched step."""
+        llm, tokens = self.llm, self.llm.slots[job.slot].tokens
+        tok = job.sampler.sample(logits, tokens)
         if tok in llm.tokenizer.stop_ids and not job.ignore_eos:
             return self._finish(job, "stop")
         job.n_gen += 1
         if self._send(job, job.text.push(tok)):
             return self._finish(job, "stop", stopped=True)
-        if job.n_gen == job.max_tokens or len(llm.tokens) >= llm.n_ctx:
+        if job.n_gen == job.max_tokens or len(tokens) >= llm.n_ctx:
             return self._finish(job, "length")
         job.next_token = tok
 
