@@ -21,7 +21,7 @@ from nbmoe.errors import NbmoeError
 from nbmoe.loader.gguf_file import GGUFFile
 from nbmoe.model.kv_cache import KVCache
 from nbmoe.model.forward import build_graph, check_tensors
-from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
+from nbmoe.sched.placement import is_rank, moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched import scheduler
@@ -61,7 +61,7 @@ class LLM:
         self.ep = None           # --ep: the experts shared over MPI ranks (nbmoe/parallel)
         if expert_parallel and expert_parallel > 1:
             from nbmoe.parallel.expert_parallel import ExpertParallel
-            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel)
+            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel, override_tensors)
             zero_copy_experts = 0
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
@@ -127,8 +127,9 @@ class LLM:
                 warnings.warn(f"no usable CUDA GPU: -ngl {n_gpu_layers} is ignored, every layer "
                               "runs on the CPU", stacklevel=3)
         buftypes = ["CPU"] + devices
-        rules = ((self.ep.overrides() if self.ep else []) + parse_overrides(override_tensors, buftypes)
-                 + moe_overrides(cpu_moe, n_cpu_moe))
+        user = parse_overrides(override_tensors, buftypes, n_ranks=self.ep.n_ranks if self.ep else 1)
+        rules = ((self.ep.overrides() if self.ep else []) + [o for o in user if not is_rank(o)]
+                 + moe_overrides(cpu_moe, n_cpu_moe))     # (the ep's layout has the RANKn rules)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
     def _zero_copy_layers(self, n, auto=False):

@@ -45,6 +45,38 @@ def test_logits_equal_one_process(tiny_model, tmp_path, arch, ranks):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_rank_override_logits_equal_one_process(tiny_model, tmp_path):
+    # layer 1's experts all on rank 1 (-ot ...=RANK1), layer 0's split evenly
+    import nbmoe
+    path = tiny_model("qwen3moe", default_type="Q8_0")
+    want = logits(nbmoe.load(path, n_ctx=32, threads=1))
+    out = str(tmp_path / "logits.npy")
+    rc, err, _ = mpiexec(["-n", "2", sys.executable, os.path.join(HERE, "ep_run.py"), path, out,
+                          "2", r"blk\.1\.ffn_.*_exps=RANK1"])
+    assert rc == 0, err
+    np.testing.assert_allclose(np.load(out), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    explain = open(out + ".txt").read()
+    assert "rank 0" in explain and "experts 0-3 of layer 0," in explain, explain
+    assert "experts 4-7 of layer 0; experts 0-7 of layer 1" in explain, explain
+
+
+def test_rank_overrides_placement():
+    from nbmoe.errors import NbmoeError
+    from nbmoe.sched.placement import expert_ranks, parse_overrides
+    rules = parse_overrides([r"blk\.[23]\.ffn_.*_exps=RANK2,blk\.3\.=CPU,exps=RANK0"], ["CPU"], n_ranks=3)
+    layout = expert_ranks(range(5), 6, 3, rules)
+    assert layout[2] == layout[3] == [(0, 0), (0, 0), (0, 6)]        # first match wins
+    assert layout[0] == [(0, 6), (0, 0), (0, 0)]
+    layout = expert_ranks(range(2), 6, 3, parse_overrides(["blk.1.ffn=CPU"], ["CPU"], n_ranks=3))
+    assert layout[0] == layout[1] == [(0, 2), (2, 4), (4, 6)]          # the even split
+    for specs, n_ranks, words in ((["exps=RANK2"], 2, "no rank 2, --ep 2 has ranks RANK0 to RANK1"),
+                                  (["exps=RANK1"], 1, "needs --ep R")):
+        with pytest.raises(NbmoeError, match=words):
+            parse_overrides(specs, ["CPU"], n_ranks=n_ranks)
+    with pytest.raises(NbmoeError, match="layer 0's expert tensors would be on different ranks"):
+        expert_ranks([0], 6, 2, parse_overrides(["up_exps=RANK1"], ["CPU"], n_ranks=2))
+
+
 def bench(path, ranks):
     return [sys.executable, "-m", "nbmoe.bench", "-m", path, "-p", "4", "-n", "2", "-r", "1",
             "-t", "1", "--no-bandwidth", "--ep", str(ranks)]

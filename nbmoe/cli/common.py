@@ -194,7 +194,7 @@ def mpi_ranks(args, threads=None):
             raise NbmoeError(f"--ep must be 1 or more, got {args.ep}")
         comm = parallel.world(args.ep)
         path = resolve_model(args.model) if comm is not None else None
-    with parallel.launch(comm, path, threads) as cluster:
+    with parallel.launch(comm, path, threads, args.override_tensor) as cluster:
         yield cluster
 
 
