@@ -5,6 +5,7 @@ lost mid-run) end every rank with one line naming the rank. Skipped without mpi4
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -104,3 +105,44 @@ def test_lost_rank_ends_the_run(tiny_model):
     lines = [ln for ln in err.splitlines() if "error" in ln]
     assert len(lines) == 1 and "rank 1 sent no partial sums" in lines[0], err
     assert seconds < 120, seconds
+
+
+def test_server_answers_as_one_process(tiny_model):
+    # the same chat completion (sampled, with a seed) from a one-process server and from
+    # `mpiexec -n 2 python -m nbmoe.server --ep 2`; Ctrl-C to mpiexec ends every rank
+    from test_server import HI, free_port
+    import httpx
+    path = tiny_model("qwen3moe", default_type="Q8_0")
+    body = {"messages": HI, "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    texts = []
+    for ranks in (1, 2):
+        port = free_port()
+        cmd = [sys.executable, "-m", "nbmoe.server", "-m", path, "--port", str(port), "-t", "1",
+               "-c", "256"]
+        cmd = [MPIEXEC, "-n", "2"] + cmd + ["--ep", "2"] if ranks > 1 else cmd
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 120
+            while True:
+                assert proc.poll() is None, proc.stderr.read()
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.time() < deadline, "the server did not start"
+                time.sleep(0.2)
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert rc == 0, proc.stderr.read()
+    assert texts[0] and texts[1] == texts[0], texts
