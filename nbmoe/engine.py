@@ -48,7 +48,7 @@ class Slot:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
+                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1, ep_gpu=False, fused_moe=True,
                  upload_all_experts=False, n_slots=1, cache_type_k="f16", cache_type_v="f16"):
         self.path = os.fspath(path)
         self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
@@ -61,7 +61,7 @@ class LLM:
         self.ep = None           # --ep: the experts shared over MPI ranks (nbmoe/parallel)
         if expert_parallel and expert_parallel > 1:
             from nbmoe.parallel.expert_parallel import ExpertParallel
-            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel, override_tensors)
+            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel, override_tensors, ep_gpu)
             zero_copy_experts = 0
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).

@@ -42,10 +42,11 @@ def cluster():
 
 
 @contextmanager
-def launch(comm, path, threads=None, override_tensors=()):
+def launch(comm, path, threads=None, override_tensors=(), gpu=False):
     """On rank 0: run the body, then stop the other ranks with its exit code (or end the run
     at once if one is lost). On the others: serve experts until rank 0 stops them, then exit.
-    override_tensors: the -ot rules rank 0 loads with (their RANKn rules place experts)."""
+    override_tensors: the -ot rules rank 0 loads with (their RANKn rules place experts);
+    gpu: the ranks compute their shares on their GPUs (--ep-gpu)."""
     global _cluster
     if comm is None:
         yield None
@@ -53,7 +54,7 @@ def launch(comm, path, threads=None, override_tensors=()):
     from nbmoe.parallel.expert_parallel import Cluster
     if comm.Get_rank() != 0:
         from nbmoe.parallel.worker import serve
-        sys.exit(serve(comm, path, threads, override_tensors))
+        sys.exit(serve(comm, path, threads, override_tensors, gpu))
     _cluster = Cluster(comm)
     code = 1
     try:

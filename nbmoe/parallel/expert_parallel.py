@@ -128,7 +128,7 @@ class ExpertParallel:
     """A model's experts over the ranks of the running Cluster (LLM's expert_parallel=R);
     override_tensors: the -ot rules, whose RANKn ones place whole layers' experts."""
 
-    def __init__(self, gguf, cfg, n_ranks, override_tensors=()):
+    def __init__(self, gguf, cfg, n_ranks, override_tensors=(), gpu=False):
         cl = cluster()
         if cl is None or cl.size != n_ranks:
             raise NbmoeError(f"--ep {n_ranks} runs under mpiexec -n {n_ranks}, through the nbmoe "
@@ -140,8 +140,12 @@ class ExpertParallel:
         self.layout = layout_of(cfg, n_ranks, override_tensors)     # {layer: [(lo, hi) per rank]}
         digest = index_hash(gguf)
         self.hosts, problems = {0: socket.gethostname()}, []
+        self.devices = {0: None}               # rank -> its GPU (--ep-gpu) or None
+        if gpu:
+            from nbmoe.parallel.gpu_share import local_device
+            self.devices[0] = local_device(cl.comm)
         for r, hello in sorted(cl.hellos().items()):
-            self.hosts[r] = hello["host"]
+            self.hosts[r], self.devices[r] = hello["host"], hello.get("device")
             if hello["error"]:
                 problems.append(f"rank {r} ({hello['host']}) cannot serve its experts: {hello['error']}")
             elif hello["digest"] != digest:
@@ -166,7 +170,12 @@ class ExpertParallel:
 
     def backend(self, weights, repacked, flash_attn="auto"):
         be = ExpertParallelBackend(weights, repacked, self, flash_attn)
-        self.share = ExpertShare(self.cfg, be, {il: spans[0] for il, spans in self.layout.items()})
+        spans = {il: spans[0] for il, spans in self.layout.items()}
+        if self.devices[0] is not None:
+            from nbmoe.parallel.gpu_share import GPUExpertShare
+            self.share = GPUExpertShare(self.cfg, be, spans, self.devices[0])
+        else:
+            self.share = ExpertShare(self.cfg, be, spans)
         return be
 
     def send(self, il, h, ids, wts):
@@ -195,7 +204,8 @@ class ExpertParallel:
                 runs.setdefault(spans[r], []).append(il)
             held = [f"experts {lo}-{hi - 1} of {_layers(ils)}" for (lo, hi), ils in runs.items() if hi > lo]
             mib = sum(per_expert[il] * (spans[r][1] - spans[r][0]) for il, spans in layout.items()) / 2**20
-            lines.append(f"  rank {r} ({self.hosts.get(r, '?')}): {'; '.join(held) or 'no experts'}, "
+            where = "" if self.devices.get(r) is None else f", on GPU {self.devices[r]}"
+            lines.append(f"  rank {r} ({self.hosts.get(r, '?')}{where}): {'; '.join(held) or 'no experts'}, "
                          f"{mib:.1f} MiB of expert weights")
         out, back = 4 * cfg.n_embd + 8 * cfg.n_expert_used, 4 * cfg.n_embd
         msgs = sum(len(p) for p in self.peers.values())

@@ -20,9 +20,9 @@ from nbmoe.parallel.experts import ExpertShare, index_hash, layout_of
 _TEST_EXIT = os.environ.get("NBMOE_TEST_EP_EXIT", "")
 
 
-def open_share(path, rank, n_ranks, override_tensors=()):
+def open_share(path, rank, n_ranks, override_tensors=(), device=None):
     """(file digest, ExpertShare) of this rank, whose experts the even split and the -ot
-    RANKn rules give it; raises on a file it cannot use."""
+    RANKn rules give it, on GPU `device` if not None; raises on a file it cannot use."""
     from nbmoe.backends.cpu import CPUBackend
     from nbmoe.cpu import matmul
     from nbmoe.loader.gguf_file import GGUFFile
@@ -33,6 +33,9 @@ def open_share(path, rank, n_ranks, override_tensors=()):
     cfg = config_from_meta(gguf.meta, emb.ne[1] if emb is not None else None, gguf.tensors)
     check_tensors(cfg, gguf.tensors, matmul.is_supported)
     spans = {il: shares[rank] for il, shares in layout_of(cfg, n_ranks, override_tensors).items()}
+    if device is not None:
+        from nbmoe.parallel.gpu_share import GPUExpertShare
+        return index_hash(gguf), GPUExpertShare(cfg, CPUBackend(gguf.tensors), spans, device)
     return index_hash(gguf), ExpertShare(cfg, CPUBackend(gguf.tensors), spans)
 
 
@@ -50,17 +53,20 @@ def warm_up(share):
                       np.ones((T, A), np.float32))
 
 
-def serve(comm, path, threads, override_tensors=()):
+def serve(comm, path, threads, override_tensors=(), gpu=False):
     """The loop of a rank > 0; returns the exit code rank 0 sends with STOP."""
     from nbmoe.load_order import preload
     MPI = msg.mpi()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rank, hello = comm.Get_rank(), {"host": socket.gethostname(), "error": None}
+    rank, hello = comm.Get_rank(), {"host": socket.gethostname(), "error": None, "device": None}
     try:
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         preload()
-        digest, share = open_share(path, rank, comm.Get_size(), override_tensors)
+        if gpu:
+            from nbmoe.parallel.gpu_share import local_device
+            hello["device"] = local_device(comm)
+        digest, share = open_share(path, rank, comm.Get_size(), override_tensors, hello["device"])
         warm_up(share)
         hello.update(digest=digest, share=share.spans)
     except Exception as e:        # reported by rank 0, which then stops every rank
