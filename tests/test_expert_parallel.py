@@ -47,18 +47,19 @@ def test_logits_equal_one_process(tiny_model, tmp_path, arch, ranks):
 
 
 def test_rank_override_logits_equal_one_process(tiny_model, tmp_path):
-    # layer 1's experts all on rank 1 (-ot ...=RANK1), layer 0's split evenly
+    # layer 0's experts split evenly, layer 1's all on rank 1, layer 2's all on rank 0 (no
+    # message for it)
     import nbmoe
-    path = tiny_model("qwen3moe", default_type="Q8_0")
+    path = tiny_model("qwen3moe", default_type="Q8_0", n_layer=3)
     want = logits(nbmoe.load(path, n_ctx=32, threads=1))
     out = str(tmp_path / "logits.npy")
     rc, err, _ = mpiexec(["-n", "2", sys.executable, os.path.join(HERE, "ep_run.py"), path, out,
-                          "2", r"blk\.1\.ffn_.*_exps=RANK1"])
+                          "2", r"blk\.1\.ffn_.*_exps=RANK1,blk\.2\.ffn_.*_exps=RANK0"])
     assert rc == 0, err
     np.testing.assert_allclose(np.load(out), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     explain = open(out + ".txt").read()
-    assert "rank 0" in explain and "experts 0-3 of layer 0," in explain, explain
-    assert "experts 4-7 of layer 0; experts 0-7 of layer 1" in explain, explain
+    assert "experts 0-3 of layer 0; experts 0-7 of layer 2," in explain, explain
+    assert "experts 4-7 of layer 0; experts 0-7 of layer 1," in explain, explain
 
 
 def test_rank_overrides_placement():
