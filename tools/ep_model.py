@@ -2,7 +2,7 @@
 second of generation (TG) and of a 512-token prompt (PP), for nbmoe's expert parallelism
 (--ep) and for llama.cpp's RPC backend (layers placed per host), from stated per-host rates.
 
-    python tools/ep_model.py [--ram-gbs 80] [--cpu-tflops 3.1] [--sw-us 60] [--samples 20000]
+    python tools/ep_model.py [--ram-gbs 80] [--cpu-tflops 4.0] [--sw-us 20] [--samples 20000]
 
 Every input is a flag; docs/scale-out.md says which measurement each default comes from.
 Generation is a read of the active weights (bytes / bandwidth); prompts are products
@@ -111,28 +111,31 @@ def rpc_pp(R, link, a, T=512, n_ubatch=512, n_batch=2048):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ram-gbs", type=float, default=80.0, help="a host's expert read rate, GB/s")
-    p.add_argument("--cpu-tflops", type=float, default=3.1, help="a host's prompt product rate, TFLOP/s")
+    p.add_argument("--cpu-tflops", type=float, default=4.0, help="a host's prompt product rate, TFLOP/s")
     p.add_argument("--gpu0", action="store_true", help="rank 0's non-expert weights on a GPU")
     p.add_argument("--gpu-gbs", type=float, default=2000.0, help="that GPU's read rate, GB/s")
     p.add_argument("--gpu-tflops", type=float, default=45.0, help="that GPU's prompt rate, TFLOP/s")
-    p.add_argument("--sw-us", type=float, default=60.0,
+    p.add_argument("--sw-us", type=float, default=20.0,
                    help="software time of one exchange beyond the wire (measured: ep_exchange.py, T=1)")
     p.add_argument("--rpc-us", type=float, default=30.0, help="llama.cpp RPC's software time a crossing")
     p.add_argument("--samples", type=int, default=20000)
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    print(f"DeepSeek-V3 Q4_K: {(N_MOE * (E + 1) * EXPERT + N_LAYER * ATTN + N_DENSE * DENSE + 2 * OUTPUT) * BPW / 1e9:.0f} GB, "
-          f"read a token {(N_MOE * (A + 1) * EXPERT + N_LAYER * ATTN + N_DENSE * DENSE + OUTPUT) * BPW / 1e9:.1f} GB "
+    total = (N_MOE * (E + 1) * EXPERT + N_LAYER * ATTN + N_DENSE * DENSE + 2 * OUTPUT) * BPW
+    token = (N_MOE * (A + 1) * EXPERT + N_LAYER * ATTN + N_DENSE * DENSE + OUTPUT) * BPW
+    print(f"DeepSeek-V3 Q4_K: {total / 1e9:.0f} GB, read a token {token / 1e9:.1f} GB "
           f"(experts {N_MOE * A * EXPERT * BPW / 1e9:.1f} GB routed)")
     one = LINKS["100 Gb/s (RDMA)"]
     print(f"one host holding it all (RAM permitting): TG {1 / tg(1, one, a, None):.2f} t/s, "
           f"PP512 {512 / pp(1, one, a):.1f} t/s")
-    print("| hosts | link | --ep TG t/s | (no overlap) | --ep PP512 t/s | RPC TG t/s | RPC PP512 t/s | RPC PP2048 t/s |")
+    print("| hosts | link | --ep TG t/s | (no overlap) | --ep PP512 t/s | RPC TG t/s "
+          "| RPC PP512 t/s | RPC PP2048 t/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for R in (2, 4, 8):
         loads = expert_loads(R, a.samples, rng)
         for name, link in LINKS.items():
-            print(f"| {R} | {name} | {1 / tg(R, link, a, loads):.2f} | {1 / tg(R, link, a, loads, False):.2f} | "
+            print(f"| {R} | {name} | {1 / tg(R, link, a, loads):.2f} | "
+                  f"{1 / tg(R, link, a, loads, False):.2f} | "
                   f"{512 / pp(R, link, a):.1f} | "
                   f"{1 / (rpc_tg_gpu0 if a.gpu0 else rpc_tg)(R, link, a):.2f} | "
                   f"{512 / rpc_pp(R, link, a):.1f} | {2048 / rpc_pp(R, link, a, T=2048):.1f} |")
