@@ -10,6 +10,8 @@ per matrix, the layout of the file's rows); per layer the gathered pairs go up (
 ids [P, 1], weights [P, 1]) and their weighted outputs [P, D] come down. The gathering and
 the per-token sums are ExpertShare's (experts.py), so both devices answer alike.
 """
+import os
+
 import numpy as np
 
 from nbmoe.backends.cpu import GLU_KERNELS
@@ -17,14 +19,24 @@ from nbmoe.errors import NbmoeError
 from nbmoe.parallel.experts import ExpertShare
 
 
+# The launchers' variables for a rank's place among its host's ranks (MPICH's Hydra, Open MPI,
+# Slurm). Read rather than asked of MPI: a collective call would hang ranks whose rank 0
+# failed before making it.
+LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
 def local_device(comm):
-    """The GPU index of this rank: its rank among its host's ranks, modulo the host's GPUs."""
-    from nbmoe.parallel.comm import mpi
-    import nbmoe.cuda as nbcuda
-    from numba import cuda
+    """The GPU index of this rank: its rank among its host's ranks (the launcher's variable,
+    else its world rank), modulo the host's GPUs."""
+    try:
+        import nbmoe.cuda as nbcuda
+        from numba import cuda
+    except ImportError as e:
+        raise NbmoeError(f"--ep-gpu needs numba's CUDA support ({e})") from None
     if not nbcuda.is_available():
         raise NbmoeError("--ep-gpu: this host has no usable CUDA GPU")
-    local = comm.Split_type(mpi().COMM_TYPE_SHARED).Get_rank()
+    local = next((int(os.environ[v]) for v in LOCAL_RANK_VARS if os.environ.get(v, "").isdigit()),
+                 comm.Get_rank())
     return local % max(1, len(cuda.gpus))
 
 
