@@ -6,6 +6,7 @@ experts. Every other rank maps the same GGUF, keeps a contiguous share of each M
 experts and computes their partial sums for each layer rank 0 sends it (worker.py).
   comm.py             the messages and bounded waits (mpi4py)
   experts.py          a rank's expert share and its partial sums (the CPU kernels)
+  gpu_share.py        the same on the rank's GPU (--ep-gpu)
   worker.py           the loop of the ranks > 0
   expert_parallel.py  rank 0's side: the CPU backend that sends each layer's experts out
 
