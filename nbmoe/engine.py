@@ -21,7 +21,7 @@ from nbmoe.errors import NbmoeError
 from nbmoe.loader.gguf_file import GGUFFile
 from nbmoe.model.kv_cache import KVCache
 from nbmoe.model.forward import build_graph, check_tensors
-from nbmoe.sched.placement import moe_overrides, parse_overrides, place_tensors
+from nbmoe.sched.placement import is_rank, moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.merge import merge_up_gate as merge_tensors
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
@@ -49,9 +49,9 @@ class Slot:
 class LLM:
     def __init__(self, path, n_ctx=2048, threads=None, n_ubatch=512, n_gpu_layers=0,
                  override_tensors=(), offload_policy=None, cpu_moe=False, n_cpu_moe=0, repack=False,
-                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1, fused_moe=True,
-                 upload_all_experts=False, merge_up_gate=False, n_slots=1, cache_type_k="f16",
-                 cache_type_v="f16"):
+                 zero_copy_experts="auto", flash_attn=None, expert_parallel=1, ep_gpu=False,
+                 fused_moe=True, upload_all_experts=False, merge_up_gate=False, n_slots=1,
+                 cache_type_k="f16", cache_type_v="f16"):
         self.path = os.fspath(path)
         self.fused_moe, self.upload_all_experts = bool(fused_moe), bool(upload_all_experts)
         self.merge_up_gate = bool(merge_up_gate)
@@ -64,7 +64,7 @@ class LLM:
         self.ep = None           # --ep: the experts shared over MPI ranks (nbmoe/parallel)
         if expert_parallel and expert_parallel > 1:
             from nbmoe.parallel.expert_parallel import ExpertParallel
-            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel)
+            self.ep = ExpertParallel(self.file, self.cfg, expert_parallel, override_tensors, ep_gpu)
             zero_copy_experts = 0
         # A tied output reads the embedding matrix; under its own name it can be placed
         # like any output layer (llama.cpp duplicates it the same way).
@@ -140,8 +140,9 @@ class LLM:
                 warnings.warn(f"no usable CUDA GPU: -ngl {n_gpu_layers} is ignored, every layer "
                               "runs on the CPU", stacklevel=3)
         buftypes = ["CPU"] + devices
-        rules = ((self.ep.overrides() if self.ep else []) + parse_overrides(override_tensors, buftypes)
-                 + moe_overrides(cpu_moe, n_cpu_moe))
+        user = parse_overrides(override_tensors, buftypes, n_ranks=self.ep.n_ranks if self.ep else 1)
+        rules = ((self.ep.overrides() if self.ep else []) + [o for o in user if not is_rank(o)]
+                 + moe_overrides(cpu_moe, n_cpu_moe))     # (the ep's layout has the RANKn rules)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
     def _zero_copy_layers(self, n, auto=False):

@@ -1,7 +1,10 @@
-"""Started by test_expert_parallel.py under mpiexec: rank 0 saves the logits of a prompt and
+r"""Started by test_expert_parallel.py under mpiexec: rank 0 saves the logits of a prompt and
 of two tokens generated after it, with the experts over every rank (--ep).
 
-    mpiexec -n 2 python tests/ep_run.py model.gguf out.npy
+    mpiexec -n 2 python tests/ep_run.py model.gguf out.npy 2 [-ot rule]
+
+With an -ot rule (e.g. blk\.1\.ffn_.*_exps=RANK1) it also writes --explain's lines on the
+ranks' shares to out.npy.txt.
 """
 import sys
 
@@ -24,9 +27,13 @@ def main():
     from nbmoe.engine import load
     path, out = sys.argv[1], sys.argv[2]
     comm = parallel.world(int(sys.argv[3]) if len(sys.argv) > 3 else None)
-    n_ranks = comm.Get_size()
-    with parallel.launch(comm, path, threads=1), friendly_errors():
-        np.save(out, logits(load(path, n_ctx=32, threads=1, expert_parallel=n_ranks)))
+    n_ranks, ot = comm.Get_size(), sys.argv[4:]
+    with parallel.launch(comm, path, 1, ot), friendly_errors():
+        llm = load(path, n_ctx=32, threads=1, expert_parallel=n_ranks, override_tensors=ot)
+        np.save(out, logits(llm))
+        if ot:
+            with open(out + ".txt", "w") as f:
+                f.write("\n".join(llm.ep.explain_lines()))
 
 
 if __name__ == "__main__":

@@ -80,6 +80,9 @@ def add_placement_args(p, lists=False):
     p.add_argument("--ep", type=int, default=1, metavar="R",
                    help="expert parallelism: share each MoE layer's experts over the R ranks of "
                         "mpiexec -n R (rank 0 runs the rest; see README)")
+    p.add_argument("--ep-gpu", action="store_true",
+                   help="with --ep: every rank computes its share of the experts on its own GPU "
+                        "(the GPU of its local rank on its host)")
 
 
 def add_moe_args(p, lists=False):
@@ -167,7 +170,7 @@ def placement_kwargs(args, n_gpu_layers=None, zero_copy_experts=None, flash_attn
                 override_tensors=args.override_tensor, offload_policy=args.offload_policy,
                 cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
                 zero_copy_experts=args.zero_copy_experts if zero_copy_experts is None else zero_copy_experts,
-                expert_parallel=args.ep)
+                expert_parallel=args.ep, ep_gpu=getattr(args, "ep_gpu", False))
 
 
 def resolve_model(path):
@@ -207,7 +210,8 @@ def mpi_ranks(args, threads=None):
             raise NbmoeError(f"--ep must be 1 or more, got {args.ep}")
         comm = parallel.world(args.ep)
         path = resolve_model(args.model) if comm is not None else None
-    with parallel.launch(comm, path, threads) as cluster:
+    with parallel.launch(comm, path, threads, args.override_tensor,
+                         getattr(args, "ep_gpu", False)) as cluster:
         yield cluster
 
 

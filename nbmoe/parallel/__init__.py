@@ -6,12 +6,13 @@ experts. Every other rank maps the same GGUF, keeps a contiguous share of each M
 experts and computes their partial sums for each layer rank 0 sends it (worker.py).
   comm.py             the messages and bounded waits (mpi4py)
   experts.py          a rank's expert share and its partial sums (the CPU kernels)
+  gpu_share.py        the same on the rank's GPU (--ep-gpu)
   worker.py           the loop of the ranks > 0
   expert_parallel.py  rank 0's side: the CPU backend that sends each layer's experts out
 
     comm = world(R)                       # None when R <= 1
-    with launch(comm, path, threads):     # ranks > 0 serve here and exit
-        llm = nbmoe.load(path, expert_parallel=R)
+    with launch(comm, path, threads, ot):  # ranks > 0 serve here and exit
+        llm = nbmoe.load(path, expert_parallel=R, override_tensors=ot)
 """
 import sys
 from contextlib import contextmanager
@@ -42,9 +43,11 @@ def cluster():
 
 
 @contextmanager
-def launch(comm, path, threads=None):
+def launch(comm, path, threads=None, override_tensors=(), gpu=False):
     """On rank 0: run the body, then stop the other ranks with its exit code (or end the run
-    at once if one is lost). On the others: serve experts until rank 0 stops them, then exit."""
+    at once if one is lost). On the others: serve experts until rank 0 stops them, then exit.
+    override_tensors: the -ot rules rank 0 loads with (their RANKn rules place experts);
+    gpu: the ranks compute their shares on their GPUs (--ep-gpu)."""
     global _cluster
     if comm is None:
         yield None
@@ -52,7 +55,7 @@ def launch(comm, path, threads=None):
     from nbmoe.parallel.expert_parallel import Cluster
     if comm.Get_rank() != 0:
         from nbmoe.parallel.worker import serve
-        sys.exit(serve(comm, path, threads))
+        sys.exit(serve(comm, path, threads, override_tensors, gpu))
     _cluster = Cluster(comm)
     code = 1
     try:

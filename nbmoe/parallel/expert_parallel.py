@@ -3,11 +3,13 @@ to the ranks, and the Cluster that exchanges the messages (comm.py) with them.
 
 Every expert tensor stays on rank 0's CPU in the placement (cause `--ep R`), so a layer's
 expert nodes, from its first MUL_MAT_ID to its MOE_COMBINE, are one run on the CPU; the
-backend binds each run as one step (cause `ep` in --explain) that
-  1. sends the normed hidden states and the router's choices and weights to every rank,
-  2. computes rank 0's own share meanwhile (experts.py),
-  3. adds the ranks' partial sums to it as they come (each waited for at most
-     config.EP_TIMEOUT seconds: a rank that does not answer is named, and the run ends).
+backend binds each run as two steps (cause `ep` in --explain):
+  1. send the normed hidden states and the router's choices and weights to every rank that
+     holds some of the layer's experts;
+     (the layer's shared expert runs here, while the ranks compute: overlap_shared)
+  2. compute rank 0's own share (experts.py), then add the ranks' partial sums to it (each
+     waited for at most config.EP_TIMEOUT seconds: a rank that does not answer is named,
+     and the run ends).
 Routing, the shared experts, attention and the rest bind and fuse as without --ep (only the
 one-token moe_block, which would do the experts itself, is not formed).
 """
@@ -19,11 +21,11 @@ from collections import defaultdict
 import numpy as np
 
 from nbmoe import config
-from nbmoe.backends.cpu import CPUBackend
+from nbmoe.backends.cpu import CPUBackend, _no_step
 from nbmoe.errors import NbmoeError
 from nbmoe.parallel import cluster
 from nbmoe.parallel import comm as msg
-from nbmoe.parallel.experts import ExpertShare, index_hash, share_of
+from nbmoe.parallel.experts import ExpertShare, index_hash, layout_of
 from nbmoe.sched.placement import EXPERT_TENSORS, Override
 
 
@@ -34,6 +36,7 @@ class Cluster:
         self.comm, self.size, self.MPI = comm, comm.Get_size(), msg.mpi()
         self.lost = None          # a rank that stopped answering: close() aborts the run
         self._hellos = None
+        self.pending = None       # the exchange posted and not yet waited for
         self.outbox, self.replies = msg.Grow(), [np.empty(0, np.float32)] * self.size
 
     def hellos(self):
@@ -55,39 +58,45 @@ class Cluster:
             self._hellos = got
         return self._hellos
 
-    def exchange(self, layer, h, ids, wts, out, local):
-        """out [T, D] = local(out) + every rank's partial sum of this layer's experts for
-        h [T, D], ids [T, A], wts [T, A]. Returns (seconds in local, seconds in all)."""
+    def post(self, layer, h, ids, wts, ranks):
+        """Send layer's h [T, D], ids [T, A], wts [T, A] to `ranks` and post the receives of
+        their partial sums; wait() adds them. Returns what wait() takes."""
+        if self.pending is not None:      # a step between post and wait raised: drain it
+            pending, self.pending = self.pending, None
+            self._collect(*pending[:3])
         (T, D), comm, MPI = h.shape, self.comm, self.MPI
         n = 1 + T * D
-        for r in range(1, self.size):
+        for r in ranks:
             if self.replies[r].shape[0] < n:
                 self.replies[r] = np.empty(n, np.float32)
-        recvs = [comm.Irecv(self.replies[r][:n], source=r, tag=msg.SUM) for r in range(1, self.size)]
-        work = msg.pack_work(self.outbox(msg.work_bytes(T, D, ids.shape[1])), msg.LAYER, layer,
-                             h=h, ids=ids, wts=wts)
-        sends = [comm.Isend([work, MPI.BYTE], dest=r, tag=msg.WORK) for r in range(1, self.size)]
-        t0 = time.perf_counter()
-        try:
-            local(out)
-        finally:            # (on an error too: the replies must not meet the next layer's receives)
-            t1 = time.perf_counter()
-            self._collect(layer, recvs, sends)
-        for r in range(1, self.size):
+        recvs = {r: comm.Irecv(self.replies[r][:n], source=r, tag=msg.SUM) for r in ranks}
+        sends = []
+        if ranks:
+            work = msg.pack_work(self.outbox(msg.work_bytes(T, D, ids.shape[1])), msg.LAYER, layer,
+                                 h=h, ids=ids, wts=wts)
+            sends = [comm.Isend([work, MPI.BYTE], dest=r, tag=msg.WORK) for r in ranks]
+        self.pending = (layer, recvs, sends, T, D)
+        return self.pending
+
+    def wait(self, pending, out):
+        """out [T, D] += the partial sums of the ranks `pending` (from post) waits for."""
+        self.pending = None
+        layer, recvs, sends, T, D = pending
+        self._collect(layer, recvs, sends)
+        for r in recvs:
             if self.replies[r][0] != 0:
-                raise NbmoeError(f"rank {r}: {comm.recv(source=r, tag=msg.ERROR)}")
-        for r in range(1, self.size):
-            out += self.replies[r][1:n].reshape(T, D)
-        return t1 - t0, time.perf_counter() - t0
+                raise NbmoeError(f"rank {r}: {self.comm.recv(source=r, tag=msg.ERROR)}")
+        for r in recvs:
+            out += self.replies[r][1:1 + T * D].reshape(T, D)
 
     def _collect(self, layer, recvs, sends):
-        """Wait for every rank's reply to `layer` (at most config.EP_TIMEOUT seconds each time
-        it is waited for); a Ctrl-C meanwhile is raised once they are in."""
-        pending, interrupted = set(range(1, self.size)), None
+        """Wait for every reply to `layer` ({rank: its receive}; at most config.EP_TIMEOUT
+        seconds each time it is waited for); a Ctrl-C meanwhile is raised once they are in."""
+        pending, interrupted = set(recvs), None
 
         def answered():
             for r in list(pending):
-                if recvs[r - 1].Test():
+                if recvs[r].Test():
                     pending.discard(r)
             return not pending
         while True:
@@ -116,9 +125,10 @@ class Cluster:
 
 
 class ExpertParallel:
-    """A model's experts over the ranks of the running Cluster (LLM's expert_parallel=R)."""
+    """A model's experts over the ranks of the running Cluster (LLM's expert_parallel=R);
+    override_tensors: the -ot rules, whose RANKn ones place whole layers' experts."""
 
-    def __init__(self, gguf, cfg, n_ranks):
+    def __init__(self, gguf, cfg, n_ranks, override_tensors=(), gpu=False):
         cl = cluster()
         if cl is None or cl.size != n_ranks:
             raise NbmoeError(f"--ep {n_ranks} runs under mpiexec -n {n_ranks}, through the nbmoe "
@@ -127,19 +137,29 @@ class ExpertParallel:
             raise NbmoeError(f"--ep shares out a MoE model's experts; {cfg.arch} has none")
         if n_ranks > cfg.n_expert:
             raise NbmoeError(f"--ep {n_ranks}: more ranks than the {cfg.n_expert} experts of a layer")
+        self.layout = layout_of(cfg, n_ranks, override_tensors)     # {layer: [(lo, hi) per rank]}
         digest = index_hash(gguf)
         self.hosts, problems = {0: socket.gethostname()}, []
+        self.devices = {0: None}               # rank -> its GPU (--ep-gpu) or None
+        if gpu:
+            from nbmoe.parallel.gpu_share import local_device
+            self.devices[0] = local_device(cl.comm)
         for r, hello in sorted(cl.hellos().items()):
-            self.hosts[r] = hello["host"]
+            self.hosts[r], self.devices[r] = hello["host"], hello.get("device")
             if hello["error"]:
                 problems.append(f"rank {r} ({hello['host']}) cannot serve its experts: {hello['error']}")
             elif hello["digest"] != digest:
                 problems.append(f"rank {r} ({hello['host']}) has a different model file: its tensor "
                                 f"index differs from that of rank 0's {gguf.path}")
+            elif hello["share"] != {il: spans[r] for il, spans in self.layout.items()}:
+                problems.append(f"rank {r} ({hello['host']}) holds other experts than rank 0 gives "
+                                "it: its -ot RANKn rules differ from rank 0's")
         if problems:
             raise NbmoeError("; ".join(problems))
         self.cluster, self.cfg, self.gguf, self.n_ranks = cl, cfg, gguf, n_ranks
-        self.shares = [share_of(r, n_ranks, cfg.n_expert) for r in range(n_ranks)]
+        # per layer, the ranks > 0 that hold some of its experts (the others get no message)
+        self.peers = {il: [r for r in range(1, n_ranks) if spans[r][1] > spans[r][0]]
+                      for il, spans in self.layout.items()}
         self.share = None                      # rank 0's ExpertShare, made with its backend
         self.timed = defaultdict(float)        # layer -> seconds waiting on the ranks (--timings)
 
@@ -150,33 +170,68 @@ class ExpertParallel:
 
     def backend(self, weights, repacked, flash_attn="auto"):
         be = ExpertParallelBackend(weights, repacked, self, flash_attn)
-        self.share = ExpertShare(self.cfg, be, *self.shares[0])
+        spans = {il: spans[0] for il, spans in self.layout.items()}
+        if self.devices[0] is not None:
+            from nbmoe.parallel.gpu_share import GPUExpertShare
+            self.share = GPUExpertShare(self.cfg, be, spans, self.devices[0])
+        else:
+            self.share = ExpertShare(self.cfg, be, spans)
         return be
 
-    def run(self, il, h, ids, wts, out):
-        return self.cluster.exchange(il, h, ids, wts, out,
-                                     lambda o: self.share.compute(o, il, h, ids, wts))
+    def send(self, il, h, ids, wts):
+        """Layer il's experts to the ranks that hold some of them (they start computing)."""
+        return self.cluster.post(il, h, ids, wts, self.peers[il])
+
+    def finish(self, pending, il, h, ids, wts, out):
+        """out [T, D] = rank 0's share of layer il's experts + the other ranks' sums.
+        Returns (seconds of rank 0's share, seconds waiting for the others)."""
+        t0 = time.perf_counter()
+        self.share.compute(out, il, h, ids, wts)
+        t1 = time.perf_counter()
+        self.cluster.wait(pending, out)
+        return t1 - t0, time.perf_counter() - t1
 
     def explain_lines(self):
         """Each rank's share and the bytes a token costs on the links (--explain)."""
-        cfg, R = self.cfg, self.n_ranks
-        moe = [il for il in range(cfg.n_layer) if cfg.is_moe_layer(il)]
-        per_expert = sum(self.gguf.tensors[f"blk.{il}.ffn_{k}_exps.weight"].n_bytes
-                         for il in moe for k in ("gate", "up", "down")) / cfg.n_expert
+        cfg, R, layout = self.cfg, self.n_ranks, self.layout
+        per_expert = {il: sum(self.gguf.tensors[f"blk.{il}.ffn_{k}_exps.weight"].n_bytes
+                              for k in ("gate", "up", "down")) / cfg.n_expert for il in layout}
         lines = [f"expert parallelism over {R} MPI ranks (--ep {R}), {cfg.n_expert} experts "
-                 f"per MoE layer ({len(moe)} layers):"]
-        for r, (lo, hi) in enumerate(self.shares):
-            lines.append(f"  rank {r} ({self.hosts.get(r, '?')}): experts {lo}-{hi - 1}, "
-                         f"{per_expert * (hi - lo) / 2**20:.1f} MiB of expert weights")
+                 f"per MoE layer ({len(layout)} layers):"]
+        for r in range(R):
+            runs = {}           # (lo, hi) -> the layers where rank r holds experts lo..hi-1
+            for il, spans in layout.items():
+                runs.setdefault(spans[r], []).append(il)
+            held = [f"experts {lo}-{hi - 1} of {_layers(ils)}" for (lo, hi), ils in runs.items() if hi > lo]
+            mib = sum(per_expert[il] * (spans[r][1] - spans[r][0]) for il, spans in layout.items()) / 2**20
+            where = "" if self.devices.get(r) is None else f", on GPU {self.devices[r]}"
+            lines.append(f"  rank {r} ({self.hosts.get(r, '?')}{where}): {'; '.join(held) or 'no experts'}, "
+                         f"{mib:.1f} MiB of expert weights")
         out, back = 4 * cfg.n_embd + 8 * cfg.n_expert_used, 4 * cfg.n_embd
-        lines.append(f"  per token and MoE layer: {out} B to each other rank (normed x, choices, "
-                     f"weights) and {back} B back (its partial sum): {(out + back) * (R - 1)} B "
-                     f"through rank 0, {(out + back) * (R - 1) * len(moe) / 1024:.1f} KiB per token")
+        msgs = sum(len(p) for p in self.peers.values())
+        lines.append(f"  per token and MoE layer: {out} B to each other rank that holds some of its "
+                     f"experts (normed x, choices, weights) and {back} B back (its partial sum): "
+                     f"{(out + back) * msgs / 1024:.1f} KiB per token through rank 0")
         return lines
 
 
+def _layers(ils):
+    """'layer 3' / 'layers 0-9, 12' for sorted layer indices."""
+    parts, i = [], 0
+    while i < len(ils):
+        j = i
+        while j + 1 < len(ils) and ils[j + 1] == ils[j] + 1:
+            j += 1
+        parts.append(str(ils[i]) if i == j else f"{ils[i]}-{ils[j]}")
+        i = j + 1
+    return ("layer " if len(ils) == 1 else "layers ") + ", ".join(parts)
+
+
 class ExpertParallelBackend(CPUBackend):
-    """Rank 0's CPU backend: as CPUBackend, each MoE layer's expert run bound as one exchange."""
+    """Rank 0's CPU backend: as CPUBackend, each MoE layer's expert run bound as an exchange:
+    its first node sends, its MOE_COMBINE computes rank 0's share and waits for the others.
+    The shared expert's nodes are moved between the two (config.EP_OVERLAP), so rank 0
+    computes them while the other ranks compute their experts."""
     fuse_kinds = tuple(k for k in CPUBackend.fuse_kinds if k != "moe_block")
 
     def __init__(self, tensors, repacked, ep, flash_attn="auto"):
@@ -184,19 +239,34 @@ class ExpertParallelBackend(CPUBackend):
         self.ep = ep
 
     def prepare(self, graph):
+        runs = expert_runs(graph.nodes)
+        if config.EP_OVERLAP:
+            graph.nodes[:] = overlap_shared(graph.nodes, runs)
         super().prepare(graph)
-        for run in expert_runs(graph.nodes):
+        for run in runs:
             for n in run:
                 if n.backend != "CPU" or "slots" in n.params:
                     raise NbmoeError(f"--ep: {n.op} of {run[0].weight} is not on rank 0's CPU")
                 n.cause = "ep"
                 self._groups[id(n)] = ("expert_parallel", run)
 
+    def bind(self, node, buf, state):
+        group = self._groups.get(id(node))
+        if group is None or group[0] != "expert_parallel":
+            return super().bind(node, buf, state)
+        # (the shared expert's groups bind between this run's members: its steps kept apart)
+        members = group[1]
+        if node is members[0]:
+            self._ep_steps = self._bind_expert_parallel(members, buf, state)
+        step = self._ep_steps[[id(n) for n in members].index(id(node))]
+        return step if step is not None else _no_step
+
     def _bind_expert_parallel(self, members, buf, state):
         gate, comb = members[0], members[-1]
         il = int(gate.weight.split(".")[1])
         h, ids, wts, out = buf[gate.srcs[0]], buf[gate.srcs[1]], buf[comb.srcs[1]], buf[comb.out]
-        return [None] * (len(members) - 1) + [_Exchange(self.ep, il, h, ids, wts, out)]
+        send = _Send(self.ep, il, h, ids, wts)
+        return [send] + [None] * (len(members) - 2) + [_Finish(self.ep, send, out)]
 
 
 def expert_runs(nodes):
@@ -214,19 +284,44 @@ def expert_runs(nodes):
     return runs
 
 
-class _Exchange:
-    """The step of one layer's experts; timed (--timings): rank 0's share on the CPU, and the
-    wait beyond it for the other ranks' sums (sending, their experts, receiving)."""
-    label = "MOE_EP"
+def overlap_shared(nodes, runs):
+    """The nodes, with each layer's shared expert (the nodes after its MOE_COMBINE up to the
+    ADD of shexp_out, forward.moe_ffn) moved before that MOE_COMBINE."""
+    out, pos = list(nodes), {id(n): i for i, n in enumerate(nodes)}
+    for run in reversed(runs):
+        j = pos[id(run[-1])]
+        k = next((i for i in range(j + 1, len(nodes)) if nodes[i].op == "ADD"
+                  and list(nodes[i].srcs) == [run[-1].out, "shexp_out"]), None)
+        if k is not None:
+            out[j:k] = nodes[j + 1:k] + [nodes[j]]
+    return out
 
-    def __init__(self, ep, il, h, ids, wts, out):
-        self.ep, self.il, self.args = ep, il, (h, ids, wts, out)
+
+class _Send:
+    """The step that sends a layer's experts to the ranks (--timings: MOE_EP send)."""
+    label = "MOE_EP send"
+
+    def __init__(self, ep, il, h, ids, wts):
+        self.ep, self.il, self.args, self.pending = ep, il, (h, ids, wts), None
 
     def __call__(self):
-        self.ep.run(self.il, *self.args)
+        self.pending = self.ep.send(self.il, *self.args)
+
+
+class _Finish:
+    """The step that computes rank 0's share of a layer's experts and adds the other ranks'
+    sums; timed (--timings): rank 0's share on the CPU, and the wait beyond it for the others
+    (their experts, the messages)."""
+    label = "MOE_EP"
+
+    def __init__(self, ep, send, out):
+        self.ep, self.send, self.out = ep, send, out
+
+    def __call__(self):
+        self.ep.finish(self.send.pending, self.send.il, *self.send.args, self.out)
 
     def run_timed(self, acc):
-        local, total = self.ep.run(self.il, *self.args)
+        local, wait = self.ep.finish(self.send.pending, self.send.il, *self.send.args, self.out)
         acc[("CPU", "MOE_EP rank 0's experts")] += local
-        acc[("MPI", "wait for the ranks' sums")] += total - local
-        self.ep.timed[self.il] += total - local
+        acc[("MPI", "wait for the ranks' sums")] += wait
+        self.ep.timed[self.send.il] += wait

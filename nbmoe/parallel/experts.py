@@ -3,8 +3,10 @@
 Legend: T tokens, D model dim, A chosen experts per token, F expert FFN width, P the
 (token, slot) pairs whose chosen expert is in this share, E_r the share's experts.
 
-Rank r of R owns experts [r*E/R, (r+1)*E/R) of each layer (share_of); their weights are views
-of the file's mapping, so a rank reads only its share's pages. For a batch it gathers the pairs
+Rank r of R owns a contiguous run [lo, hi) of each MoE layer's experts: [r*E/R, (r+1)*E/R) in
+the even split, all or none of a layer's where an `-ot ...=RANKn` rule places it
+(placement.expert_ranks); their weights are views of the file's mapping, so a rank reads only
+its share's pages. For a batch it gathers the pairs
 whose expert it owns into rows of their own ([P, 1, D]: one chosen expert each) and runs them
 through the CPU kernels the single-process engine uses for a batch of that many rows (the
 fused gate/up/GLU and down/combine kernels for few rows, the grouped products otherwise);
@@ -18,11 +20,14 @@ import numpy as np
 
 from nbmoe.backends.cpu import GLU_KERNELS
 from nbmoe.sched.fusion import FUSED_SUPPORT
+from nbmoe.sched.placement import expert_ranks, parse_overrides
 
 
-def share_of(rank, n_ranks, n_expert):
-    """(lo, hi): the experts of rank `rank` in the even split."""
-    return rank * n_expert // n_ranks, (rank + 1) * n_expert // n_ranks
+def layout_of(cfg, n_ranks, override_tensors=()):
+    """{MoE layer: [(lo, hi) of each rank]} for --ep n_ranks and the -ot rules (RANKn)."""
+    rules = parse_overrides(override_tensors, None, n_ranks=n_ranks)
+    moe = [il for il in range(cfg.n_layer) if cfg.is_moe_layer(il)]
+    return expert_ranks(moe, cfg.n_expert, n_ranks, rules)
 
 
 def index_hash(gguf):
@@ -40,17 +45,17 @@ def is_expert_tensor(name):
 
 
 class ExpertShare:
-    """Experts lo..hi-1 of each MoE layer of `cfg`, read through `backend` (a CPUBackend: its
-    weight() and vector(), so rank 0 and the others bind the same way)."""
+    """Experts spans[il] = (lo, hi) of each MoE layer il of `cfg`, read through `backend` (a
+    CPUBackend: its weight() and vector(), so rank 0 and the others bind the same way)."""
 
-    def __init__(self, cfg, backend, lo, hi):
-        self.cfg, self.backend, self.lo, self.hi = cfg, backend, lo, hi
+    def __init__(self, cfg, backend, spans):
+        self.cfg, self.backend, self.spans = cfg, backend, dict(spans)
         self.mm, self.fused, self.ops = backend.mm, backend.fused, backend.ops
         self.glu = getattr(self.ops, GLU_KERNELS[cfg.flags.glu])
         self.act = getattr(self.fused, "ACT_" + cfg.flags.glu.upper(), None)
-        self.layers = {il: self._layer(il) for il in range(cfg.n_layer) if cfg.is_moe_layer(il)}
+        self.layers = {il: self._layer(il, lo, hi) for il, (lo, hi) in self.spans.items() if hi > lo}
 
-    def _layer(self, il):
+    def _layer(self, il, lo, hi):
         """{role: (w [E_r, M, row_bytes], qtype, bias [E_r, M] or None)} of layer il."""
         out = {}
         for role in ("gate", "up", "down"):
@@ -58,8 +63,8 @@ class ExpertShare:
             w, qtype = self.backend.weight(name + ".weight")
             bias = None
             if self.cfg.has(f"ffn_{role}_exps.bias"):
-                bias = self.backend.vector(name + ".bias").reshape(w.shape[0], -1)[self.lo:self.hi]
-            out[role] = (w[self.lo:self.hi], qtype, bias)
+                bias = self.backend.vector(name + ".bias").reshape(w.shape[0], -1)[lo:hi]
+            out[role] = (w[lo:hi], qtype, bias)
         return out
 
     @property
@@ -71,12 +76,13 @@ class ExpertShare:
         """out [T, D] = sum over token t's slots a whose expert is in this share of
         wts[t, a] * expert(h[t]); h [T, D], ids [T, A] int32, wts [T, A]."""
         out[:] = 0
-        t, a = np.nonzero((ids >= self.lo) & (ids < self.hi))       # [P] pairs, token order
+        lo, hi = self.spans.get(il, (0, 0))
+        t, a = np.nonzero((ids >= lo) & (ids < hi))                   # [P] pairs, token order
         P = t.shape[0]
         if P == 0:
             return
         x = np.ascontiguousarray(h[t]).reshape(P, 1, -1)              # [P, 1, D]
-        local = (ids[t, a] - self.lo).astype(np.int32).reshape(P, 1)   # [P, 1]
+        local = (ids[t, a] - lo).astype(np.int32).reshape(P, 1)        # [P, 1]
         w = np.ascontiguousarray(wts[t, a], dtype=np.float32).reshape(P, 1)
         y = self._experts(il, x, local, w)                            # [P, D] weighted
         first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])          # each token's first pair

@@ -8,6 +8,9 @@ Rules, first match wins, as in llama.cpp:
      already moves the output layer, like llama.cpp), spread evenly over the devices;
   4. everything else, the token embedding included, stays in RAM.
 Each decision keeps its cause, so `--explain` can show why a tensor is where it is.
+Under `--ep R` (expert parallelism over MPI ranks) an `-ot REGEX=RANKn` rule puts the experts
+of the MoE layers it matches on rank n alone; the other layers' experts are split evenly over
+the ranks (expert_ranks). Non-expert tensors always stay with rank 0.
 """
 import re
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from nbmoe.errors import NbmoeError
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+_RANK = re.compile(r"^RANK(\d+)$")
 EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_exps\."
 
 
@@ -26,8 +30,9 @@ class Override:
     source: str            # "-ot", "--cpu-moe", "--n-cpu-moe"
 
 
-def parse_overrides(specs, buftypes, source="-ot"):
-    """`REGEX=BUFTYPE` strings (each may hold several, comma-separated) -> [Override]."""
+def parse_overrides(specs, buftypes, source="-ot", n_ranks=1):
+    """`REGEX=BUFTYPE` strings (each may hold several, comma-separated) -> [Override].
+    BUFTYPE may be RANKn (n < n_ranks) under --ep n_ranks; buftypes None: any other name."""
     out = []
     for spec in specs or ():
         for item in str(spec).split(","):
@@ -37,7 +42,14 @@ def parse_overrides(specs, buftypes, source="-ot"):
             pattern, sep, buftype = item.rpartition("=")
             if not sep or not pattern:
                 raise NbmoeError(f"bad tensor override {item!r}: expected REGEX=BUFTYPE")
-            if buftype not in buftypes:
+            rank = _RANK.match(buftype)
+            if rank and n_ranks <= 1:
+                raise NbmoeError(f"{item!r}: a RANKn buffer type places experts on an MPI rank "
+                                 "and needs --ep R (mpiexec -n R)")
+            if rank and int(rank.group(1)) >= n_ranks:
+                raise NbmoeError(f"{item!r}: there is no rank {int(rank.group(1))}, --ep {n_ranks} "
+                                 f"has ranks RANK0 to RANK{n_ranks - 1}")
+            if not rank and buftypes is not None and buftype not in buftypes:
                 raise NbmoeError(f"unknown buffer type {buftype!r} in {item!r}; "
                                  f"available: {', '.join(buftypes)}")
             try:
@@ -46,6 +58,35 @@ def parse_overrides(specs, buftypes, source="-ot"):
                 raise NbmoeError(f"bad regex {pattern!r} in tensor override: {e}") from None
             out.append(Override(pattern, regex, buftype, source))
     return out
+
+
+def is_rank(override):
+    return _RANK.match(override.buftype) is not None
+
+
+def expert_ranks(moe_layers, n_expert, n_ranks, overrides):
+    """{layer: [(lo, hi) of rank 0, of rank 1, ...]}: which experts of each MoE layer each rank
+    holds. The first override matching a layer's expert weights decides: RANKn puts all of
+    them on rank n; any other rule, or none, splits them evenly (contiguous runs)."""
+    even = [(r * n_expert // n_ranks, (r + 1) * n_expert // n_ranks) for r in range(n_ranks)]
+    layout = {}
+    for il in moe_layers:
+        chosen = {}
+        for k in ("gate", "up", "down"):
+            name = f"blk.{il}.ffn_{k}_exps.weight"
+            hit = next((o for o in overrides if o.regex.search(name)), None)
+            chosen[name] = (int(_RANK.match(hit.buftype).group(1)), hit.pattern) \
+                if hit is not None and is_rank(hit) else (None, None)
+        ranks = {r for r, _ in chosen.values()}
+        if len(ranks) > 1:
+            where = ", ".join(f"{n} on {'rank %d' % r if r is not None else 'the even split'}"
+                              for n, (r, _) in chosen.items())
+            raise NbmoeError(f"layer {il}'s expert tensors would be on different ranks ({where}): "
+                             "a RANKn rule must match a layer's gate, up and down experts together")
+        rank = ranks.pop()
+        layout[il] = list(even) if rank is None else \
+            [(0, n_expert) if r == rank else (0, 0) for r in range(n_ranks)]
+    return layout
 
 
 def moe_overrides(cpu_moe=False, n_cpu_moe=0):

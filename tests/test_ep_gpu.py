@@ -1,0 +1,24 @@
+"""--ep-gpu: a rank's share of the experts computed on its GPU (nbmoe/parallel/gpu_share.py)
+gives the CPU share's partial sums, under the CUDA simulator on tiny shapes (one process: the
+share is what a rank computes; tests/test_expert_parallel.py runs the ranks)."""
+import cuda_common  # noqa: F401  (selects the simulator before numba.cuda loads)
+from cuda_common import RTOL_X8, _simulator_speed, small  # noqa: F401
+import numpy as np
+
+
+def test_gpu_share_equals_cpu_share(tiny_model, small):
+    from nbmoe.parallel.worker import open_share
+    path = tiny_model("qwen3moe", default_type="Q8_0")
+    _, cpu = open_share(path, 1, 2)                 # rank 1 of 2: experts 4-7 of each layer
+    _, gpu = open_share(path, 1, 2, device=0)
+    rng = np.random.default_rng(3)
+    T, D, A = 3, cpu.cfg.n_embd, cpu.cfg.n_expert_used
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    ids = np.array([[5, 1], [7, 4], [0, 2]], np.int32)        # token 2: none of this share's
+    wts = rng.random((T, A)).astype(np.float32)
+    il = 1                                           # (one layer: the simulator is slow)
+    want, got = np.empty((T, D), np.float32), np.empty((T, D), np.float32)
+    cpu.compute(want, il, h, ids, wts)
+    gpu.compute(got, il, h, ids, wts)
+    assert np.abs(want[:2]).min() > 0 and not want[2].any()
+    np.testing.assert_allclose(got, want, rtol=RTOL_X8, atol=RTOL_X8 * np.abs(want).max())
