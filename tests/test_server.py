@@ -125,7 +125,7 @@ def test_a_client_that_goes_away_frees_its_slot(server, client):
         assert next(line for line in lines if line.startswith("data:"))
     t0 = time.perf_counter()
     while httpx.get(server[0] + "/health").json()["slots_processing"]:
-        assert time.perf_counter() - t0 < 5, "the slot was not freed"
+        assert time.perf_counter() - t0 < 15, "the slot was not freed"
         time.sleep(0.05)
     assert server[1].slots[0].tokens or server[1].slots[1].tokens
     assert len(max(server[1].slots[0].tokens, server[1].slots[1].tokens, key=len)) < 200   # stopped early
