@@ -107,7 +107,7 @@ class LLM:
             self.balancer = ShareBalancer(self.zce_share, self.cfg.n_expert_used)
         self.policy = offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy.parse(offload_policy)
         if self.ep:              # the experts are the ranks': never uploaded for a prompt
-            self.policy = OffloadPolicy({**self.policy.enabled, "MUL_MAT_ID": False})
+            self.policy = self.policy.without_experts()
         self.tokenizer = Tokenizer.from_meta(meta)
         self.n_ubatch = max(1, int(n_ubatch))
         if n_ctx is not None and n_ctx < 0:

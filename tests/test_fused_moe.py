@@ -34,3 +34,17 @@ def test_cpu_fused_moe_switch(tiny_model, monkeypatch):
     for got in (on, off):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
+
+
+def test_ep_policy_keeps_every_expert_product_home(tiny_model):
+    """--ep: no expert product moves to a GPU, fused (MUL_MAT_ID_GLU, its own -op switch) or
+    not, however large the batch; other products still may."""
+    from nbmoe.sched.scheduler import OffloadPolicy
+    path = tiny_model(**MOE, types=[("exps", "Q4_0")], default_type="Q8_0")
+    policy = OffloadPolicy.parse("-1,1").without_experts()
+    for fused in (True, False):
+        llm = nbmoe.load(path, n_ctx=32, threads=2, fused_moe=fused)
+        nodes = llm.plan(64, 0).graph.nodes
+        experts = [n for n in nodes if n.op == "MUL_MAT_ID"]
+        assert experts and not any(policy.offload(n, 10**6, llm.cfg) for n in experts)
+        assert any(policy.offload(n, 10**6, llm.cfg) for n in nodes if n.op == "MUL_MAT")

@@ -57,6 +57,9 @@ GRAPH_MAX_T = 8
 MAPPED_MAX_BYTES = 64 << 10
 
 
+EXPERT_OPS = ("MUL_MAT_ID", "MUL_MAT_ID_GLU")      # expert products, plain and fused
+
+
 @dataclass
 class OffloadPolicy:
     """Which op types may run on a GPU with a weight that lives in RAM (-op)."""
@@ -86,8 +89,13 @@ class OffloadPolicy:
                 pol.enabled[op] = flag == "1"
         return pol
 
+    def without_experts(self):
+        """This policy with the expert products kept where their weights are (--ep: the
+        ranks compute them)."""
+        return OffloadPolicy({**self.enabled, **{op: False for op in EXPERT_OPS}})
+
     def min_batch(self, op, cfg):
-        if op in ("MUL_MAT_ID", "MUL_MAT_ID_GLU"):   # each expert sees about T * A / E rows
+        if op in EXPERT_OPS:   # each expert sees about T * A / E rows
             return OFFLOAD_MIN_BATCH * cfg.n_expert // max(1, cfg.n_expert_used)
         return OFFLOAD_MIN_BATCH
 
