@@ -35,7 +35,9 @@ def load(path, override_tensors=(), **kw):
                       merge_up_gate=True, **kw)
 
 
-def close(a, b, rel=2e-4):
+def close(a, b, rel=2e-4 if cuda_setup.SIM else 1e-3):
+    """(a real GPU's 64-token prompt on the tiled float products: ~6e-4 from the CPU's, -muge
+    or not)"""
     return np.abs(a - b).max() <= rel * np.abs(b).max()
 
 
@@ -57,7 +59,11 @@ def test_merged_equals_cpu(model, placement, small):
     # (the simulator: one token on the fused kernels, or on -zce's split; a real
     # GPU: a prompt on the tiled / MMA products, then tokens)
     if not cuda_setup.SIM or where == "CUDA0":
-        assert close(llm.eval(PROMPT), ref.eval(PROMPT))
+        out = llm.eval(PROMPT)
+        assert close(out, ref.eval(PROMPT))
+        if not cuda_setup.SIM:        # the same products as without -muge, within rounding
+            split = nbmoe.load(model, n_ctx=64, threads=2, **placement).eval(PROMPT)
+            assert close(out, split, rel=1e-5)
     if not cuda_setup.SIM or where == "CPU":
         assert close(llm.eval([5]), ref.eval([5]))
 

@@ -226,8 +226,9 @@ class ScriptedEngine:
         return np.stack(out)
 
 
+@pytest.mark.parametrize("batch", [True, False])
 @pytest.mark.parametrize("stop,text", [([], "Six — ünïcödé 😀."), (["ünï", "zz"], "Six — ")])
-def test_worker_answers_with_the_final_channel(stop, text):
+def test_worker_answers_with_the_final_channel(stop, text, batch):
     """gpt-oss: the reasoning is not the answer; a stop string inside the answer cuts it."""
     from test_harmony import REPLY, harmony_tokenizer
     from nbmoe.server.protocol import Request, SamplingParams
@@ -241,9 +242,24 @@ def test_worker_answers_with_the_final_channel(stop, text):
         events.append(ev)
         if ev[0] != "text":
             done.set()
-    worker = SlotWorker(engine)
+    worker = SlotWorker(engine, batch)
     worker.submit(Job(req, emit))
     assert done.wait(10)
     worker.close()
     assert "".join(e[1] for e in events if e[0] == "text") == text
     assert events[-1][:2] == ("done", "stop")
+
+
+def test_batching_is_off_for_experts_in_ram_beside_a_gpu():
+    """-cb / -nocb, and by default batched decoding unless MoE experts live in RAM while a GPU
+    runs the rest (there a batch's tokens read as many expert bytes as turns)."""
+    from nbmoe.server.__main__ import parse_args
+    from types import SimpleNamespace
+    from nbmoe.server.slots import batch_decoding
+    assert [parse_args(a).batch for a in ([], ["-cb"], ["-nocb"])] == [None, True, False]
+    hybrid = {"blk.0.ffn_up_exps.weight": ("CPU", "-ot"), "blk.0.attn_q.weight": ("CUDA0", "-ngl")}
+    on_gpu = {name: ("CUDA0", "-ngl") for name in hybrid}
+    gpu, cpu = {"CPU": None, "CUDA0": None}, {"CPU": None}
+    assert not batch_decoding(SimpleNamespace(backends=gpu, placement=hybrid))
+    assert batch_decoding(SimpleNamespace(backends=gpu, placement=on_gpu))
+    assert batch_decoding(SimpleNamespace(backends=cpu, placement=hybrid))

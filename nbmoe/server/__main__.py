@@ -25,6 +25,12 @@ def parse_args(argv=None):
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--alias", default=None, help="the model name the API reports (default: the file name)")
+    cb = p.add_mutually_exclusive_group()
+    cb.add_argument("-cb", "--cont-batching", dest="batch", action="store_const", const=True,
+                    default=None, help="decode the generating slots' tokens as one batch (default: "
+                                       "unless MoE experts are in RAM beside a GPU, where turns are faster)")
+    cb.add_argument("-nocb", "--no-cont-batching", dest="batch", action="store_const", const=False,
+                    help="the generating slots take turns, a token each")
     add_engine_args(p)
     args = p.parse_args(argv)
     check_values(p, vars(args))
@@ -42,13 +48,15 @@ def main(argv=None):
     with mpi_ranks(args, args.threads), friendly_errors():
         import uvicorn
         from nbmoe.server.app import create_app
+        from nbmoe.server.slots import batch_decoding
         path = resolve_model(args.model)
         llm = open_model(args, path, n_slots=args.parallel)
         warm_up(llm)
-        app = create_app(llm, alias=args.alias, api_key=args.api_key)
+        batch = batch_decoding(llm) if args.batch is None else args.batch
+        app = create_app(llm, alias=args.alias, api_key=args.api_key, batch=batch)
         err_console.print(f"[bold]nbmoe[/] serving {llm.cfg.arch} model {path} on "
                           f"http://{args.host}:{args.port}/v1 ({len(llm.slots)} slot(s) of "
-                          f"{llm.n_ctx} tokens)")
+                          f"{llm.n_ctx} tokens{', batched' if batch and len(llm.slots) > 1 else ''})")
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

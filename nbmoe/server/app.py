@@ -19,15 +19,15 @@ from nbmoe.text.chat_template import ChatTemplateError, chat_prompt_ids
 DISCONNECT_POLL_S = 0.5
 
 
-def create_app(llm, alias=None, api_key=None):
+def create_app(llm, alias=None, api_key=None, batch=True):
     """The server's app for a loaded engine; its worker thread starts here and stops with
-    the app (lifespan)."""
+    the app (lifespan). batch: the generating slots' tokens decode as one batch (-cb)."""
     name = alias or os.path.basename(llm.path)
     names = {name, os.path.basename(llm.path), llm.path}
     state = {}
 
     async def lifespan(app):
-        state["worker"] = SlotWorker(llm)
+        state["worker"] = SlotWorker(llm, batch)
         yield
         state["worker"].close()
 
