@@ -42,8 +42,8 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
     """Each family's variants on the GPU and split: the CPU engine's logits, batched and token
     by token. On a GPU the prompt has more tokens than the matrix-vector kernels take: grouped
     expert products, whose grouping by expert each layer makes anew."""
-    if cuda_setup.SIM and family != "gpt-oss" and placement == dict(n_gpu_layers=99):
-        pytest.skip("CI time: the simulator runs the split placement of these (real GPU: all)")
+    if cuda_setup.SIM and placement == dict(n_gpu_layers=99):
+        pytest.skip("CI time: the simulator runs the split placement (real GPU: all)")
     path = _family_model(tiny_model, family)
     long = not cuda_setup.SIM and family != "deepseek2"
     ids = PROMPT + ([5, 9, 250, 33, 12, 7, 64, 3, 91] if long else [5, 9])
