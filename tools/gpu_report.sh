@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's measurements for the hybrid issue, in one run (device time is scarce):
+# The GPU machine's hybrid measurements, in one run:
 #   bash tools/gpu_report.sh [tests] [hybrid-tests] [mma] [model] [tg-ab] [pp] [ncu] [bench-gpu]
 #                            [bench-hybrid] [kernels] [tiles] [profile] [trace] [tg]
 # Logs go to $OUT (or ./gpu_report); the Qwen3-30B-A3B-shaped model to $MODEL
