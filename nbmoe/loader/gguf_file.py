@@ -36,14 +36,8 @@ _NUMPY = {
 }
 
 
-@dataclass
-class TensorInfo:
-    name: str
-    ggml_type: GGMLQuantizationType
-    ne: tuple          # ggml order: ne[0] = row length
-    offset: int        # absolute offset in the file
-    n_bytes: int
-    data: np.ndarray   # uint8 view [ne[-1], ..., ne[1], row_bytes] over the mmap
+class TensorShape:
+    """What a tensor with `ne` and `ggml_type` tells of itself (file tensors, merged ones)."""
 
     @property
     def shape(self):
@@ -53,6 +47,16 @@ class TensorInfo:
     @property
     def type_name(self):
         return self.ggml_type.name
+
+
+@dataclass
+class TensorInfo(TensorShape):
+    name: str
+    ggml_type: GGMLQuantizationType
+    ne: tuple          # ggml order: ne[0] = row length
+    offset: int        # absolute offset in the file
+    n_bytes: int
+    data: np.ndarray   # uint8 view [ne[-1], ..., ne[1], row_bytes] over the mmap
 
 
 class _Cursor:

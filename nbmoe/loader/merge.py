@@ -22,13 +22,14 @@ from contextlib import nullcontext
 import numpy as np
 
 from nbmoe import progress
+from nbmoe.loader.gguf_file import TensorShape
 from nbmoe.memory import check_memory
 
 GATE, UP, MERGED = "ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"
 STEP_BYTES = 64 << 20       # bytes merged per step of the progress bar
 
 
-class MergedTensor:
+class MergedTensor(TensorShape):
     """A ffn_gate_up_exps made from its gate and up parts (TensorInfo's fields). data: the
     merged bytes in RAM, made on first use (a GPU's copy never asks: backends/cuda.py)."""
 
@@ -39,14 +40,6 @@ class MergedTensor:
         self.offset = None              # not in the file
         self.n_bytes = gate.n_bytes + up.n_bytes
         self._data = None
-
-    @property
-    def shape(self):
-        return tuple(reversed(self.ne))
-
-    @property
-    def type_name(self):
-        return self.ggml_type.name
 
     @property
     def data_shape(self):
