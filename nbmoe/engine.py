@@ -136,6 +136,8 @@ class LLM:
         if n_gpu_layers or override_tensors:
             from nbmoe.backends.cuda import device_names
             devices = device_names()
+            if self.ep and self.ep.devices[0] is not None:    # --ep-gpu: one GPU per rank
+                devices = [f"CUDA{self.ep.devices[0]}"]
             if n_gpu_layers and not devices:
                 warnings.warn(f"no usable CUDA GPU: -ngl {n_gpu_layers} is ignored, every layer "
                               "runs on the CPU", stacklevel=3)

@@ -42,6 +42,14 @@ _current_device = [None]    # the device whose context an `activate` made curren
 _contexts_at_exit = []
 
 
+def select_gpu(device):
+    """Make GPU `device`'s primary context current, for code beside the backends (--ep-gpu's
+    share), noted so that a backend's activate() switches back."""
+    from numba import cuda
+    cuda.select_device(device)
+    _current_device[0] = device
+
+
 def _skip_frees_at_exit():
     """With several GPUs, numba-cuda's exit-time finalizers crashed the process (a segfault or
     glibc's "double free" in cuLibraryUnload): its deferred frees are switched off at exit
@@ -83,6 +91,7 @@ class PrefetchChain:
     def __init__(self, backend):
         cuda = backend.cuda
         self.backend, self.hosts, self.slot_bytes = backend, [], 0
+        backend.activate()      # streams and events belong to the context current when made
         self.copy_stream = cuda.stream()
         self.uploaded = []                           # per tensor: its upload's event
         self.freed = [cuda.event(), cuda.event()]    # per slot: its last product's event

@@ -82,7 +82,7 @@ def add_placement_args(p, lists=False):
                         "mpiexec -n R (rank 0 runs the rest; see README)")
     p.add_argument("--ep-gpu", action="store_true",
                    help="with --ep: every rank computes its share of the experts on its own GPU "
-                        "(the GPU of its local rank on its host)")
+                        "(the GPU of its local rank on its host; rank 0's layers use that one too)")
 
 
 def add_moe_args(p, lists=False):

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from nbmoe.backends.cpu import GLU_KERNELS
+from nbmoe.backends.cuda import select_gpu
 from nbmoe.errors import NbmoeError
 from nbmoe.parallel.experts import ExpertShare
 
@@ -51,7 +52,7 @@ class GPUExpertShare(ExpertShare):
         from nbmoe.cuda.quants import is_supported
         self.cuda, self.cmm, self.cmoe, self.cops = cuda, matmul, moe, ops
         self.device = device
-        cuda.select_device(device)
+        select_gpu(device)
         self.cglu = getattr(ops, GLU_KERNELS[cfg.flags.glu])
         self.gpu = {}
         for il, layer in self.layers.items():
@@ -72,7 +73,7 @@ class GPUExpertShare(ExpertShare):
         cuda, mm = self.cuda, self.cmm
         (wg, qg, bg), (wu, qu, bu), (wd, qd, bd) = (self.gpu[il][r] for r in ("gate", "up", "down"))
         P, F, D = x.shape[0], wg.shape[1], wd.shape[1]
-        cuda.select_device(self.device)
+        select_gpu(self.device)
         dx, dids, dw = cuda.to_device(x), cuda.to_device(ids), cuda.to_device(w)
         g = cuda.device_array((P, 1, F), np.float32)                 # [P, 1, F]
         u = cuda.device_array((P, 1, F), np.float32)

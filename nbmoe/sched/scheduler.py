@@ -425,6 +425,7 @@ class _LaunchAhead:
     def __init__(self, first, second, backend, prev=None):
         first.wait = False
         self.first, self.second, self.stream = first, second, backend.stream
+        backend.activate()      # an event belongs to the context current when it is made
         self.event, self.done = backend.cuda.event(), backend.cuda.event()
         self.prev, self.measure, self.released, self.cpu_share_seconds = prev, False, None, None
 
