@@ -331,3 +331,23 @@ def test_moe_combine(T, A, D):
         out = np.empty((T, D), np.float32)
         fn(out, y, w)
         assert max_rel(out, ref) < RTOL
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_sum_pairs(T):
+    """--ep's partial sums: each token's pairs (0 to 3 of them, in token order) summed; rows
+    of tokens without pairs are left as they were."""
+    rng = np.random.default_rng(T)
+    counts = rng.integers(0, 4, T)
+    counts[0] = 2
+    tok = np.repeat(np.arange(T), counts)                    # [P] the token of each pair
+    y = rng.standard_normal((tok.shape[0], 48)).astype(np.float32)
+    have = np.flatnonzero(counts)
+    ref = np.full((T, 48), 7.0)
+    for t in have:
+        ref[t] = y[tok == t].astype(np.float64).sum(0)
+    starts = np.append(np.searchsorted(tok, have), tok.shape[0])
+    for fn in (moe.sum_pairs, moe._sum_pairs_seq, moe._sum_pairs_par):
+        out = np.full((T, 48), 7.0, np.float32)
+        fn(out, y, have, starts)
+        assert max_rel(out, ref) < RTOL

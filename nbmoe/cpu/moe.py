@@ -288,3 +288,38 @@ def moe_combine(out, y, weights):
         _combine_par(out, y, weights)
     else:
         _combine_seq(out, y, weights)
+
+
+# ---------------------------------------------------------------- sum_pairs
+# out[tok[s]] = sum of y[p] for p in [starts[s], starts[s + 1])   (--ep's partial sums)
+# y [P, D] the weighted outputs of (token, expert) pairs in token order, one segment s per
+# token that has pairs, summed in pair order in float32; other rows of out are left as they
+# are. Parallel over segments (each writes its own row).
+
+@njit(cache=True, error_model="numpy")
+def _sum_segment(out, y, p0, p1):
+    for i in range(out.shape[0]):
+        out[i] = y[p0, i]
+    for p in range(p0 + 1, p1):
+        for i in range(out.shape[0]):
+            out[i] += y[p, i]
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _sum_pairs_par(out, y, tok, starts):
+    for s in prange(tok.shape[0]):
+        _sum_segment(out[tok[s]], y, starts[s], starts[s + 1])
+
+
+@njit(cache=True, error_model="numpy")
+def _sum_pairs_seq(out, y, tok, starts):
+    for s in range(tok.shape[0]):
+        _sum_segment(out[tok[s]], y, starts[s], starts[s + 1])
+
+
+def sum_pairs(out, y, tok, starts):
+    """out[tok[s]] = y[starts[s]:starts[s + 1]].sum(0) (see above); tok, starts int64."""
+    if y.size >= PAR_MIN_ELEMS and tok.shape[0] > 1:
+        _sum_pairs_par(out, y, tok, starts)
+    else:
+        _sum_pairs_seq(out, y, tok, starts)

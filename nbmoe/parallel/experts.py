@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from nbmoe.backends.cpu import GLU_KERNELS
+from nbmoe.cpu.moe import sum_pairs
 from nbmoe.sched.fusion import FUSED_SUPPORT
 from nbmoe.sched.placement import expert_ranks, parse_overrides
 
@@ -86,7 +87,7 @@ class ExpertShare:
         w = np.ascontiguousarray(wts[t, a], dtype=np.float32).reshape(P, 1)
         y = self._experts(il, x, local, w)                            # [P, D] weighted
         first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])          # each token's first pair
-        out[t[first]] = np.add.reduceat(y, first, axis=0) if P > first.shape[0] else y
+        sum_pairs(out, y, t[first], np.append(first, P))
 
     def _experts(self, il, x, ids, w):
         """y [P, D] = w[p] * down(glu(gate x[p], up x[p])) through expert ids[p] (local)."""
