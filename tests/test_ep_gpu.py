@@ -22,3 +22,10 @@ def test_gpu_share_equals_cpu_share(tiny_model, small):
     gpu.compute(got, il, h, ids, wts)
     assert np.abs(want[:2]).min() > 0 and not want[2].any()
     np.testing.assert_allclose(got, want, rtol=RTOL_X8, atol=RTOL_X8 * np.abs(want).max())
+    # one token (generation): its pairs padded to [1, A] with weight 0, as a recorded graph
+    # on a GPU (twice: the first call runs the launches, the second records them)
+    for t in (0, 1, 0, 2):
+        want1, got1 = np.empty((1, D), np.float32), np.full((1, D), np.nan, np.float32)
+        cpu.compute(want1, il, h[t:t + 1], ids[t:t + 1], wts[t:t + 1])
+        gpu.compute(got1, il, h[t:t + 1], ids[t:t + 1], wts[t:t + 1])
+        np.testing.assert_allclose(got1, want1, rtol=RTOL_X8, atol=RTOL_X8 * np.abs(want1).max())
