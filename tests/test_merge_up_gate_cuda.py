@@ -16,6 +16,7 @@ MOE = dict(arch="qwen3moe", n_layer=1 if cuda_setup.SIM else 2, n_embd=32, n_hea
            head_dim=32, n_ff=64, n_expert=4, n_expert_used=2, n_ff_exp=32)
 PROMPT = [17] if cuda_setup.SIM else list(range(1, 65))
 KEEP_OUTPUT = ["^output=CPU"] if cuda_setup.SIM else []
+N_CTX = len(PROMPT) + 8      # the prompt, then tokens after it
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def exact(monkeypatch):
 
 
 def load(path, override_tensors=(), **kw):
-    return nbmoe.load(path, n_ctx=64, threads=2, override_tensors=list(override_tensors) + KEEP_OUTPUT,
+    return nbmoe.load(path, n_ctx=N_CTX, threads=2, override_tensors=list(override_tensors) + KEEP_OUTPUT,
                       merge_up_gate=True, **kw)
 
 
@@ -55,14 +56,14 @@ def test_merged_equals_cpu(model, placement, small):
         assert np.array_equal(be.resident[t.name].copy_to_host(), t.data)
     else:                     # the GPU's share of a token's experts reads the merge in place
         assert "blk.0.ffn_gate_up_exps.weight" in be.zero_copy
-    ref = nbmoe.load(model, n_ctx=64, threads=2)
+    ref = nbmoe.load(model, n_ctx=N_CTX, threads=2)
     # (the simulator: one token on the fused kernels, or on -zce's split; a real
     # GPU: a prompt on the tiled / MMA products, then tokens)
     if not cuda_setup.SIM or where == "CUDA0":
         out = llm.eval(PROMPT)
         assert close(out, ref.eval(PROMPT))
         if not cuda_setup.SIM:        # the same products as without -muge, within rounding
-            split = nbmoe.load(model, n_ctx=64, threads=2, **placement).eval(PROMPT)
+            split = nbmoe.load(model, n_ctx=N_CTX, threads=2, **placement).eval(PROMPT)
             assert close(out, split, rel=1e-5)
     if not cuda_setup.SIM or where == "CPU":
         assert close(llm.eval([5]), ref.eval([5]))
@@ -79,7 +80,7 @@ def test_offloaded_merged_experts(model, monkeypatch, small):
     nodes = llm.plan(2, 2).graph.nodes
     assert {(n.weight.split(".")[2], n.cause) for n in nodes if n.op == "MUL_MAT_ID"} == {
         ("ffn_gate_up_exps", "off"), ("ffn_down_exps", "off")}
-    assert close(llm.eval(ids), nbmoe.load(model, n_ctx=64, threads=2).eval(ids))
+    assert close(llm.eval(ids), nbmoe.load(model, n_ctx=N_CTX, threads=2).eval(ids))
     assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
 
