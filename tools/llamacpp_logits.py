@@ -105,8 +105,17 @@ DEEPSEEK_CASES = {
     "deepseek-v3-f32": dict(_V3, default_type="F32"),
     "deepseek-v3-q8_0": dict(_V3, default_type="Q8_0"),
 }
+# deepseek2 (V3) and glm4moe in the weight types their files ship, on tests/test_family_types.py's
+# shapes: rows of 256 wherever the real models' take the K-quants (kept in llamacpp_types.*)
+_V3_WIDE = dict(_V3, n_embd=256, n_ff=256, n_ff_exp=256,
+                mla=dict(_V3["mla"], kv_lora_rank=256, q_lora_rank=256, v_dim=64))
+_GLM_WIDE = dict(_GLM, n_layer=2, n_embd=256, head_dim=64, n_ff=256, n_ff_exp=256)
+SHIPPED_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "BF16")
+TYPE_CASES = {f"{family}-{t.lower()}": dict(shape, default_type=t)
+              for family, shape in (("deepseek-v3", _V3_WIDE), ("glm4moe", _GLM_WIDE))
+              for t in SHIPPED_TYPES}
 # --record PREFIX writes the cases of the file PREFIX names
-CASE_SETS = {"llamacpp_tiny": CASES, "llamacpp_deepseek": DEEPSEEK_CASES}
+CASE_SETS = {"llamacpp_tiny": CASES, "llamacpp_deepseek": DEEPSEEK_CASES, "llamacpp_types": TYPE_CASES}
 N_TOKENS, TOKEN_SEED, MODEL_SEED = 24, 0, 0
 # A router whose A-th and (A+1)-th best scores nearly tie flips on any rounding, moving a
 # whole position: the recorded prompts keep every layer's gap above this.
