@@ -22,7 +22,7 @@ def _family_model(tiny_model, family):
                      n_expert_used=2, n_ff_exp=32, sliding_window=2) if cuda_setup.SIM else {}
         return tiny_model("gpt-oss", types=[("exps", "MXFP4")], default_type="Q8_0", **shape)
     if family == "glm4moe":
-        shape = dict(n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_expert_used=2,
+        shape = dict(n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_expert=4, n_expert_used=2,
                      n_ff_exp=32, n_layer=2) if cuda_setup.SIM else {}
         return tiny_model("glm4moe", types=[("exps", "Q4_0")], default_type="Q8_0", **shape)
     from conftest import DEEPSEEK_V3
