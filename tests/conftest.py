@@ -103,26 +103,8 @@ def early(*argv, **env):
     return mark
 
 
-# -n's files (--dist loadfile, --no-loadscope-reorder in pyproject.toml): the slowest first,
-# the others by number of tests as xdist would; the CUDA-simulator files have few tests, and
-# xdist's own order left them to the end, one worker running them while the other idled.
-SLOW_FIRST = ["test_hybrid.py", "test_models.py", "test_cpu_matmul.py", "test_cpu_iq.py",
-              "test_cli.py", "test_hybrid_families.py", "test_merge_up_gate_cuda.py"]
-
-
-def _slow_first(items):
-    files = {}
-    for item in items:
-        files[item.path.name] = files.get(item.path.name, 0) + 1
-
-    def rank(name):
-        return (SLOW_FIRST.index(name), 0) if name in SLOW_FIRST else (len(SLOW_FIRST), -files[name])
-    items.sort(key=lambda item: rank(item.path.name))       # (stable: a file's order kept)
-
-
 @pytest.hookimpl(trylast=True)           # after -k / -m / --deselect have removed theirs
 def pytest_collection_modifyitems(items):
-    _slow_first(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):     # -n: every worker collects every test;
         return                                  # each starts its own when it runs them
     for item in items:
