@@ -118,9 +118,10 @@ def test_flash_attention_over_quantized_caches(types):
 
 
 def test_engine_prompt_over_q8_0_cache_equals_cpu(tiny_model, monkeypatch):
-    """-ctk q8_0 -ctv q8_0 with every layer on the GPU: a 3-token prompt (the flash kernel,
-    as --explain records) gives the CPU engine's logits over the same cache types (both on
-    their float paths; the GPU rounds q, P and the cache values to f16)."""
+    """-ctk q8_0 -ctv q8_0 with every layer on the GPU (the experts in RAM: the simulator's
+    cost is in their products): a 3-token prompt (the flash kernel, as --explain records)
+    gives the CPU engine's logits over the same cache types (both on their float paths; the
+    GPU rounds q, P and the cache values to f16)."""
     import nbmoe
     from nbmoe.cpu import matmul
     from nbmoe.cuda import matmul as cuda_matmul
@@ -132,7 +133,8 @@ def test_engine_prompt_over_q8_0_cache_equals_cpu(tiny_model, monkeypatch):
     ids = [1, 17, 200]
     kw = dict(n_ctx=16, threads=2, cache_type_k="q8_0", cache_type_v="q8_0")
     want = nbmoe.load(path, **kw).eval(ids)
-    llm = nbmoe.load(path, n_gpu_layers=99, override_tensors=["^output=CPU"], flash_attn="on", **kw)
+    llm = nbmoe.load(path, n_gpu_layers=99, override_tensors=["^output=CPU", "exps=CPU"],
+                     flash_attn="on", **kw)
     got = llm.eval(ids)
     from nbmoe.cli.measure import attention_lines
     assert llm.backends["CUDA0"].attn_paths[(3, 32)] == "flash"

@@ -71,7 +71,8 @@ def test_merged_equals_cpu(model, placement, small):
 
 def test_offloaded_merged_experts(model, monkeypatch, small):
     """A batch over the expert threshold (patched to 1 row: 2 tokens): the merged experts the
-    router chose are uploaded (their gate and up rows together) and run on the GPU."""
+    router chose are uploaded (their gate and up rows together) and run on the GPU, and so is
+    the output layer (in RAM in the simulator: its offload is checked here)."""
     from nbmoe.backends import cuda as backend_cuda
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)
     monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 10**6)
@@ -80,6 +81,8 @@ def test_offloaded_merged_experts(model, monkeypatch, small):
     nodes = llm.plan(2, 2).graph.nodes
     assert {(n.weight.split(".")[2], n.cause) for n in nodes if n.op == "MUL_MAT_ID"} == {
         ("ffn_gate_up_exps", "off"), ("ffn_down_exps", "off")}
+    if cuda_setup.SIM:
+        assert [n.cause for n in nodes if n.weight == "output.weight"] == ["off"]
     assert close(llm.eval(ids), nbmoe.load(model, n_ctx=N_CTX, threads=2).eval(ids))
     assert 0 < llm.backends["CUDA0"].last_uploaded <= MOE["n_expert"]
 
