@@ -97,7 +97,7 @@ def test_rope_attention_equals_the_two_launches(T, pos0, window, neox, n_rot, no
     """Decoding attention doing norm_rope_store's work itself (q and the new keys normed and
     rotated per block, the new k, v rows written to the cache by the blocks whose span holds
     them): the same output, cache and 8-bit output as norm_rope_store + attention, bit for bit."""
-    from nbmoe.cuda import fused
+    from nbmoe.cuda import norm_rope
     monkeypatch.setattr(att, "SPLIT_KEYS", 4)
     monkeypatch.setattr(att, "MIN_SPLIT_KEYS", keys)
     H, Hkv, Dh, C = 4, 2, 32, 16         # one block of 4 warps over both kv heads
@@ -116,7 +116,7 @@ def test_rope_attention_equals_the_two_launches(T, pos0, window, neox, n_rot, no
             att.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, 1e-6, rope_freqs(n_rot, 10000.0),
                                1.0, neox, 0.125, window, xq=xq, xds=xds)
         else:
-            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, 1e-6, rope_freqs(n_rot, 10000.0), 1.0, neox)
+            norm_rope.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, 1e-6, rope_freqs(n_rot, 10000.0), 1.0, neox)
             att.attention(out, q, kc, vc, pos, 0.125, window, xq=xq, xds=xds)
         outs.append([a.copy_to_host() for a in (out, kc, vc)] +
                     [xq.copy_to_host()[:T * H * Dh // 4], xds.copy_to_host()[:T * H * Dh // 16]])

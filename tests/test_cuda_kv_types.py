@@ -67,7 +67,7 @@ def test_attention_rows(types, small, monkeypatch):
 def test_rope_attention_writes_q8_0_rows(small, monkeypatch):
     """Decoding attention that norms, rotates and stores the new key itself: the same output
     and cache bytes as norm_rope_store + attention, on a q8_0 cache."""
-    from nbmoe.cuda import fused
+    from nbmoe.cuda import norm_rope
     monkeypatch.setattr(att, "SPLIT_KEYS", 4)
     T, H, Hkv, Dh, C, pos0 = 1, 2, 1, 32, 8, 5
     q0, k0, v0 = (rnd(T, n, Dh, seed=s, scale=2.0) for s, n in ((1, H), (2, Hkv), (3, Hkv)))
@@ -82,7 +82,7 @@ def test_rope_attention_writes_q8_0_rows(small, monkeypatch):
         if fused_launch:
             att.rope_attention(out, q, k, v, kc, vc, *args, 0.125)
         else:
-            fused.norm_rope_store(q, k, v, kc, vc, *args)
+            norm_rope.norm_rope_store(q, k, v, kc, vc, *args)
             att.attention(out, q, kc, vc, pos, 0.125)
         outs.append([a.copy_to_host() for a in (out, kc, vc)])
     for name, a, b in zip(("out", "k cache", "v cache"), *outs):

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import naive  # noqa: E402
-from nbmoe.cuda import empty, flash, fused, matmul, moe, ops  # noqa: E402
+from nbmoe.cuda import empty, flash, fused, matmul, moe, norm_rope, ops  # noqa: E402
 from nbmoe.cuda.x8 import quantize_x, x8_buffers  # noqa: E402
 from nbmoe.cpu.ops import rope_freqs  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_rope_attention_sinks(T, pos0, window, keys, small, monkeypatch):
             att.rope_attention(out, q, k, v, kc, vc, pos, None, None, 1e-6, rope_freqs(16, 10000.0),
                                1.0, True, 0.125, window, sinks=sinks)
         else:
-            fused.norm_rope_store(q, k, v, kc, vc, pos, None, None, 1e-6, rope_freqs(16, 10000.0), 1.0, True)
+            norm_rope.norm_rope_store(q, k, v, kc, vc, pos, None, None, 1e-6, rope_freqs(16, 10000.0), 1.0, True)
             att.attention(out, q, kc, vc, pos, 0.125, window, sinks=sinks)
             k_all = naive.f16_round(kc.copy_to_host().view(np.float16)[:pos0 + T].astype(np.float32))
             v_all = naive.f16_round(vc.copy_to_host().view(np.float16)[:pos0 + T].astype(np.float32))

@@ -239,7 +239,8 @@ class FusionBinders:
         layer = attn_node.params["layer"]
         kv = lambda: (state.kv.k[layer], state.kv.v[layer])    # the active slot's, at run time
         p, a = rope.params, attn_node.params
-        fused, attn, x8, cell = self.fused, self.attn, self.x8, {}
+        from nbmoe.cuda import norm_rope
+        attn, x8, cell = self.attn, self.x8, {}
         sinks = self.sinks(attn_node)
         T, H, Dh = q.shape
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
@@ -257,7 +258,7 @@ class FusionBinders:
 
         def norm_rope_store():
             kc, vc = kv()
-            fused.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"], p["mscale"], p["neox"])
+            norm_rope.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"], p["mscale"], p["neox"])
 
         def attention():
             kc, vc = kv()

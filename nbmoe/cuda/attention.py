@@ -131,7 +131,7 @@ def active_splits(n, P, min_keys):
 # 32c + l, so a warp quantizes a 32-block with quantize_lane (the merge kernel likewise).
 
 # ROPE (decoding, T <= SPLIT_MAX_T): q, k, v arrive as the products wrote them, and the
-# kernel does fused.norm_rope_store's work itself, with its device functions (same bits): each
+# kernel does norm_rope.norm_rope_store's work itself, with its device functions (same bits): each
 # warp norms and rotates its head's q; a block whose key span holds a new position (pos[t2],
 # t2 < T) norms and rotates that key (each warp its kv head's), writes it and its value to
 # the f16 cache (the block's first warp of each kv head), and syncs before reading the span.
@@ -174,7 +174,7 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
     k_ = _kernels.get(("attn", Dh, ROPE, KT, VT))
     if k_ is not None:
         return k_
-    from .fused import head_rope_fns
+    from .norm_rope import head_rope_fns
     norm_weights, norm_to_shared, rope_coeffs, rope_from_shared = head_rope_fns(Dh)
     NEW = SPLIT_MAX_T * DPL         # the batch's new key and value rows, a lane's dims
     # q_dot: this lane's part of q . (the key row at byte offset rb): dims lane, lane + 32, ...;
@@ -444,14 +444,14 @@ def rope_supported(T, Dh):
 
 def rope_attention(out, q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, neox,
                    scale, window=0, stream=0, xq=None, xds=None, sinks=None):
-    """fused.norm_rope_store(q, k, v, ...) then attention(out, q, ...) in one launch (see
+    """norm_rope.norm_rope_store(q, k, v, ...) then attention(out, q, ...) in one launch (see
     ROPE above): q [T, H, Dh], k, v [T, Hkv, Dh] as the products wrote them (q and k are not
     written back), wq / wk the per-head norms (None: none); pos a device int32 [T]; sinks
     as attention's."""
     T, H, Dh = q.shape
     if not rope_supported(T, Dh):
         raise ValueError("rope_attention: T <= SPLIT_MAX_T and Dh <= 256 only")
-    from .fused import rope_table
+    from .norm_rope import rope_table
     pos = positions(pos, T)
     do_norm = wq is not None
     if not do_norm:

@@ -85,7 +85,7 @@ def rms_norm_kernel(out, x, w, eps, add, do_add, xq, xds, do_quant):
 # (rms_norm_kernel rereads x and out from memory). Word j of the row belongs to thread
 # j % blockDim, so the 8 words of a 32-block sit on 8 consecutive lanes, as quantize_word
 # wants. Per-head rows (QK-norm, Dh values) keep rms_norm_kernel, whose sum order
-# fused.norm_rope_store repeats.
+# norm_rope.norm_rope_store repeats.
 WORDS_MIN_N = 256
 
 
