@@ -108,3 +108,31 @@ def test_flash_attention(T, H, Hkv, Dh, pos0, window):
         dq = dev(q)
         att.attention(dq, dq, kc, vc, dev(np.arange(pos0, pos0 + T, dtype=np.int32)), scale, window)
         check("flash in place", dq.copy_to_host(), ref, RTOL_F16)   # out aliases q
+
+
+@pytest.mark.parametrize("pos0,window,sink", [
+    (40, 0, False),     # 41 keys over 3 splits of a 64-slot cache (P = 4), uneven shares
+    (40, 9, True),      # a window: one split, written through the merge; sinks added there
+    (3, 0, False),      # fewer keys than a split takes
+])
+def test_flash_decode_splits(pos0, window, sink, monkeypatch):
+    """One token over a long cache: flash.decode's key splits and the merge (the simulator's
+    tile of 16 keys a split) vs the float64 reference, out and its 8-bit copy."""
+    from nbmoe.cuda import x8
+    monkeypatch.setattr(flash, "DECODE_MIN_CACHE", 32)
+    monkeypatch.setattr(flash, "DECODE_SPLIT_KEYS", 16)
+    T, H, Hkv, Dh, C = 1, 4, 2, 32, 64
+    q, kc, vc, k_all, v_all = attn_case(T, H, Hkv, Dh, pos0, C=C, seed=pos0 + window)
+    assert att.flash_decodes(q, kc, vc)
+    sinks = np.linspace(-1.0, 1.5, H).astype(np.float32) if sink else None
+    ref = naive.attention(q, k_all, v_all, pos0, 1.0 / np.sqrt(Dh), window, sinks)
+    out = poisoned(q.shape)
+    xq, xds = x8.x8_buffers(T, H * Dh)
+    att.attention(out, dev(q), kc, vc, dev(np.array([pos0], np.int32)), 1.0 / np.sqrt(Dh), window,
+                  xq=xq, xds=xds, sinks=None if sinks is None else dev(sinks))
+    got = out.copy_to_host()
+    check(f"flash decode pos0={pos0} w={window} sink={sink}", got, ref, RTOL_F16)
+    n = T * H * Dh
+    codes = xq.copy_to_host()[:n // 4].view(np.int8).reshape(-1, 32).astype(np.float64)
+    d = xds.copy_to_host()[:n // 16].reshape(-1, 2)[:, :1]
+    assert np.all(np.abs(codes * d - got.reshape(-1, 32)) <= d * 0.5 + 1e-7)   # out, rounded to 8 bits

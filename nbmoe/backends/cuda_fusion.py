@@ -239,18 +239,23 @@ class FusionBinders:
         layer = attn_node.params["layer"]
         kv = lambda: (state.kv.k[layer], state.kv.v[layer])    # the active slot's, at run time
         p, a = rope.params, attn_node.params
-        from nbmoe.cuda import norm_rope
-        attn, x8, cell = self.attn, self.x8, {}
+        attn, norm_rope, x8, cell = self.attn, self.norm_rope, self.x8, {}
         sinks = self.sinks(attn_node)
         T, H, Dh = q.shape
         if Dh % 32 == 0 and T <= attn.SPLIT_MAX_T:    # the o product may take out in 8 bits
             self._last = ("writer", (id(buf), attn_node.out), cell, T, H * Dh)
 
         fa = self.use_flash(T, Dh, kv_types(state, layer))
-        if attn.rope_supported(T, Dh):    # one launch (decoding)
+        if attn.rope_supported(T, Dh):    # one launch (decoding), or two over a long cache
             def rope_attention():
                 kc, vc = kv()
                 xq, xds = x8.x8_buffers(T, H * Dh) if cell.get("x8") else (None, None)
+                if fa and attn.flash_decodes(q, kc, vc):
+                    norm_rope.norm_rope_store(q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"], p["mscale"],
+                                              p["neox"])
+                    attn.attention(out, q, kc, vc, pos, a["scale"], a["window"], xq=xq, xds=xds,
+                                   sinks=sinks, fa=True)
+                    return
                 attn.rope_attention(out, q, k, v, kc, vc, pos, wq, wk, eps, p["freqs"],
                                     p["mscale"], p["neox"], a["scale"], a["window"], xq=xq, xds=xds,
                                     sinks=sinks)

@@ -13,7 +13,7 @@ not from a launch argument, so a captured CUDA graph replays unchanged for every
 import numpy as np
 from numba import cuda
 
-from . import (device_fn, device_id, expf, flash, or_empty, shfl_idx, shfl_xor, warp_max,
+from . import (SIM, device_fn, device_id, expf, flash, or_empty, shfl_idx, shfl_xor, warp_max,
                warp_sum)
 from .kv_rows import kv_type_of, row_fns, write_view
 from .x8 import quantize_lane, unused_x8
@@ -32,6 +32,8 @@ SPLIT_MAX_T = 2
 # (flash.supported) and attention()'s fa is on (-fa auto / on); else the warp-per-query kernel.
 SPLIT_KEYS = 16
 MAX_SPLITS = 128
+# One token over a cache of flash.DECODE_MIN_CACHE slots or more: flash.decode (-fa auto / on).
+DECODE_FLASH = True
 # Keys a split takes at least while the cache holds few (see active_splits); 0: every split
 # of the grid works.
 MIN_SPLIT_KEYS = 4
@@ -323,40 +325,96 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
 
 # Merge of the Pa splits in use: out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,
 # M = max m_p. A split that got no keys (possible at the end of a long cache) has m = -inf,
-# l = 0 and weighs 0. One thread per output value. With one split in use there is nothing to do.
-# A sink (sinks[h], when given) joins here, once: M = max(M, sink), den += exp(sink - M).
+# l = 0 and weighs 0. With one split in use there is nothing to do (unless `always`:
+# flash.decode's splits never write out). A sink (sinks[h], when given) joins here, once:
+# M = max(M, sink), den += exp(sink - M).
+# A block per (token, head), MERGE_WARPS warps: the weights f_p = exp(m_p - M) go to shared
+# memory, then warp w sums the splits p = w, w + W, ... for each dim (lane l: dims l, l + 32,
+# ...), four loads in flight, and the warps' sums are added in shared memory (Dh <= 256).
+MERGE_WARPS = 2 if SIM else 8       # the simulator runs each thread as a Python thread
+
 
 @cuda.jit
-def merge_splits_kernel(out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant):
+def merge_splits_kernel(out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant,
+                        always):
     T, H, Dh = out.shape
-    idx = cuda.grid(1)
-    if idx >= T * H * Dh:
-        return
-    t = idx // (H * Dh)
+    t = cuda.blockIdx.x // H
+    h = cuda.blockIdx.x - t * H
+    lane = cuda.threadIdx.x
+    wy = cuda.threadIdx.y
+    tid = wy * 32 + lane
+    NTH = 32 * MERGE_WARPS
     lo, hi = key_range(pos, rows, t, window)
     Pa = active_splits(hi - lo, P, min_keys)
-    if Pa == 1:
+    if Pa == 1 and not always:
         return                                     # attention wrote out itself
-    rem = idx - t * H * Dh
-    h = rem // Dh
-    d = rem - h * Dh
+    fs = cuda.shared.array(MAX_SPLITS, f32)
+    red = cuda.shared.array(MERGE_WARPS, f32)
+    sums = cuda.shared.array((MERGE_WARPS, 256), f32)
+    mx = NEG_INF
+    for p in range(tid, Pa, NTH):
+        mx = max(mx, part_ml[p, t, h, 0])
+    mx = warp_max(mx)
+    if lane == 0:
+        red[wy] = mx
+    cuda.syncthreads()
+    M = red[0]
+    for w in range(1, MERGE_WARPS):
+        M = max(M, red[w])
     sink = sinks.shape[0] > 0
-    M = part_ml[0, t, h, 0]
-    for p in range(1, Pa):
-        M = max(M, part_ml[p, t, h, 0])
     if sink:
         M = max(M, sinks[h])
-    num = f32(0.0)
-    den = f32(0.0)
-    for p in range(Pa):
+    cuda.syncthreads()
+    dn = f32(0.0)
+    for p in range(tid, Pa, NTH):
         f = expf(part_ml[p, t, h, 0] - M)
-        num += f * part_acc[p, t, h, d]
-        den += f * part_ml[p, t, h, 1]
+        fs[p] = f
+        dn += f * part_ml[p, t, h, 1]
+    dn = warp_sum(dn)
+    if lane == 0:
+        red[wy] = dn
+    cuda.syncthreads()
+    den = f32(0.0)
+    for w in range(MERGE_WARPS):
+        den += red[w]
     if sink:
         den += expf(sinks[h] - M)
-    out[t, h, d] = num / den
-    if quant:                                      # a warp: one 32-block of out (Dh % 32 == 0)
-        quantize_lane(xq, xds, idx // 32, True, num / den, cuda.threadIdx.x % 32)
+    for d in range(lane, Dh, 32):
+        n0 = n1 = n2 = n3 = f32(0.0)
+        p = wy
+        while p + 3 * MERGE_WARPS < Pa:
+            a0 = part_acc[p, t, h, d]
+            a1 = part_acc[p + MERGE_WARPS, t, h, d]
+            a2 = part_acc[p + 2 * MERGE_WARPS, t, h, d]
+            a3 = part_acc[p + 3 * MERGE_WARPS, t, h, d]
+            n0 += fs[p] * a0
+            n1 += fs[p + MERGE_WARPS] * a1
+            n2 += fs[p + 2 * MERGE_WARPS] * a2
+            n3 += fs[p + 3 * MERGE_WARPS] * a3
+            p += 4 * MERGE_WARPS
+        while p < Pa:
+            n0 += fs[p] * part_acc[p, t, h, d]
+            p += MERGE_WARPS
+        sums[wy, d] = (n0 + n1) + (n2 + n3)
+    cuda.syncthreads()
+    for d0 in range(0, Dh, NTH):                   # every lane of a warp reaches quantize_lane
+        d = d0 + tid
+        v = f32(0.0)
+        if d < Dh:
+            for w in range(MERGE_WARPS):
+                v += sums[w, d]
+            v = v / den
+            out[t, h, d] = v
+        if quant:                                  # a warp: one 32-block of out (Dh % 32 == 0)
+            quantize_lane(xq, xds, ((t * H + h) * Dh + d) // 32, d < Dh, v, lane)
+
+
+def merge_splits(out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant, always,
+                 stream=0):
+    """Launch merge_splits_kernel over out [T, H, Dh] (Dh <= 256)."""
+    T, H, Dh = out.shape
+    merge_splits_kernel[T * H, (32, MERGE_WARPS), stream](
+        out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant, always)
 
 
 def _buffer(name, shape):
@@ -396,6 +454,9 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     if fa and flash_used(T, Dh, (kv_type_of(k_cache), kv_type_of(v_cache))):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
+    if fa and flash_decodes(q, k_cache, v_cache):
+        _flash_decode(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, sinks)
+        return
     _launch(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, None,
             sinks)
 
@@ -422,6 +483,25 @@ def flash_used(T, Dh, kv_types=("f16", "f16")):
     has a flash kernel (flash.py): prompts only (decoding has its key-split kernel), Dh as
     flash.supported allows."""
     return T > SPLIT_MAX_T and flash.supported(Dh, kv_types)
+
+
+def flash_decodes(q, k_cache, v_cache):
+    """Whether attention() of q over this cache takes flash.decode (one token, a long cache)."""
+    return flash.decode_used(q.shape[0], q.shape[2], (kv_type_of(k_cache), kv_type_of(v_cache)),
+                             k_cache.shape[0])
+
+
+def _flash_decode(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, sinks):
+    T, H, Dh = q.shape
+    P = flash.decode_splits(k_cache.shape[0], window)
+    quant = xq is not None
+    if not quant:
+        xq, xds = unused_x8()
+    part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))
+    part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
+    flash.decode(part_acc, part_ml, P, q, k_cache, v_cache, pos, scale, window, stream, sinks)
+    merge_splits(out, part_acc, part_ml, P, pos, pos, int(window), sinks, flash.DECODE_SPLIT_KEYS, xq, xds,
+                 quant, True, stream)
 
 
 def decoding(T):
@@ -487,9 +567,8 @@ def _launch(out, q, k_cache, v_cache, pos, scale, window, stream, xq, xds, rope,
     kern[grid, (32, hb), stream](out, part_acc, part_ml, q, k_cache, v_cache, pos, rows, f32(scale),
                                  int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant, *rope)
     if P > 1:
-        m = T * H * Dh
-        merge_splits_kernel[(m + 127) // 128, 128, stream](
-            out, part_acc, part_ml, P, pos, rows, int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant)
+        merge_splits(out, part_acc, part_ml, P, pos, rows, int(window), sinks, MIN_SPLIT_KEYS, xq, xds, quant,
+                     False, stream)
 
 
 def _no_rope():

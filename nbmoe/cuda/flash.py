@@ -22,7 +22,7 @@ S, the softmax statistics and O are float32.
 import numpy as np
 from numba import cuda
 
-from . import SIM, expf, ld_f32, ld_u32, or_empty, shfl_xor, st_f32
+from . import SIM, device_fn, device_id, expf, ld_f32, ld_u32, or_empty, shfl_xor, st_f32
 from .kv_rows import kv_type_of, pair_fn, row_fns
 from .mma import mma_f16_16x8x16, pack_f16x2
 
@@ -39,6 +39,14 @@ MAX_DH = 128
 # Blocks an SM must hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS * 32
 # WARPS)); unbounded, Dh 128 took 242 registers (2 blocks an SM).
 MIN_BLOCKS = 2
+
+# Decoding (one token, DECODE_MIN_CACHE cache slots or more): the G query heads of a kv head
+# fill half an m16 tile, so the keys are split instead, DECODE_SPLIT_KEYS a split (at most
+# MAX_SPLITS splits, grid z), each split's (O, m, l) merged by attention.merge_splits_kernel.
+# Below DECODE_MIN_CACHE the warp kernel, which also norms, rotates and stores the new key
+# in the same launch, is as fast.
+DECODE_MIN_CACHE = 2048
+DECODE_SPLIT_KEYS = 64
 
 _kernels = {}
 
@@ -80,8 +88,15 @@ def supported(Dh, kv_types=("f16", "f16")):
 # unused cache row may hold NaN, and 0 * NaN = NaN).
 # out may alias q: a warp reads its rows of q before the loop and writes the same rows last.
 
-def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
-    key = (Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS)
+@device_fn
+def split_keys(lo, hi, p, Pa):
+    """Keys [a, b) of split p of the Pa that share keys [lo, hi)."""
+    n = hi - lo
+    return lo + (p * n) // Pa, lo + ((p + 1) * n) // Pa
+
+
+def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
+    key = (Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT)
     if key in _kernels:
         return _kernels[key]
     NTH = 32 * WARPS
@@ -103,10 +118,11 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
     NK = BK // RP               # K words a thread stages a step
     NV = BK // 2 // RP          # V word pairs a thread stages a step
     SAME = KT == VT
+    from .attention import active_splits
     assert supported(Dh, (KT, VT)) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
 
     @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
-    def flash_kernel(out, q, k_cache, v_cache, pos, scale, window, sinks):
+    def flash_kernel(out, part_acc, part_ml, min_keys, q, k_cache, v_cache, pos, scale, window, sinks):
         T, H = q.shape[0], q.shape[1]
         G = H // Hkv
         R = T * G                                     # query rows of a kv head
@@ -123,6 +139,12 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
         # the block's keys: from the first row's window start to the last row's position
         lo = max(0, pos0 + r0 // G - window + 1) if window > 0 else 0
         hi = pos0 + (min(r0 + BQ, R) - 1) // G + 1
+        p = cuda.blockIdx.z
+        if SPLIT:                                     # one token: this split's share of the keys
+            Pa = active_splits(hi - lo, cuda.gridDim.z, min_keys)
+            if p >= Pa:
+                return
+            lo, hi = split_keys(lo, hi, p, Pa)
         # the warp's rows and the keys they see
         wr0 = r0 + 16 * warp
         active = wr0 < R
@@ -133,10 +155,10 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
         rb = ra + 8
         ta = min(ra // G, T - 1)
         tb = min(rb // G, T - 1)
-        lim_a = pos0 + ta
-        lim_b = pos0 + tb
-        low_a = lim_a - window + 1 if window > 0 else 0
-        low_b = lim_b - window + 1 if window > 0 else 0
+        lim_a = min(pos0 + ta, hi - 1)
+        lim_b = min(pos0 + tb, hi - 1)
+        low_a = max(pos0 + ta - window + 1 if window > 0 else 0, lo)
+        low_b = max(pos0 + tb - window + 1 if window > 0 else 0, lo)
         qa_base = (ta * H + hk * G + ra % G) * Dh * 4           # byte offsets of the q / out rows
         qb_base = (tb * H + hk * G + rb % G) * Dh * 4
 
@@ -252,11 +274,22 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS):
 
         # 5. out = O / l, l summed over the row's 4 lanes; a sink s joins the row's softmax
         # as a logit of value 0: M = max(m, s), out = O e^(m - M) / (l e^(m - M) + e^(s - M))
+        # (split: O, m and l of the split go to the merge, which adds the sink)
         if active:
             l_a += shfl_xor(l_a, 1)
             l_a += shfl_xor(l_a, 2)
             l_b += shfl_xor(l_b, 1)
             l_b += shfl_xor(l_b, 2)
+            if SPLIT:
+                if ra < R:
+                    ha = hk * G + ra % G
+                    for n in range(DN):
+                        part_acc[p, 0, ha, 8 * n + 2 * t4] = o[4 * n]
+                        part_acc[p, 0, ha, 8 * n + 2 * t4 + 1] = o[4 * n + 1]
+                    if t4 == 0:
+                        part_ml[p, 0, ha, 0] = m_a
+                        part_ml[p, 0, ha, 1] = l_a
+                return
             if sinks.shape[0] > 0:
                 sk_a = sinks[hk * G + ra % G]
                 sk_b = sinks[hk * G + rb % G]
@@ -290,4 +323,40 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, sinks=No
     kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], kv_type_of(k_cache), kv_type_of(v_cache),
                                   WARPS, KEYS, MIN_BLOCKS)
     grid = ((T * G + bq - 1) // bq, k_cache.shape[1])
-    kern[grid, nth, stream](out, q, k_cache, v_cache, pos, f32(scale), int(window), or_empty(sinks))
+    unused = _unused_parts()
+    kern[grid, nth, stream](out, unused, unused, 0, q, k_cache, v_cache, pos, f32(scale), int(window),
+                            or_empty(sinks))
+
+
+def decode_used(T, Dh, kv_types, cache_slots):
+    """Whether one token's attention over a cache of cache_slots rows takes decode()."""
+    return T == 1 and cache_slots >= DECODE_MIN_CACHE and supported(Dh, kv_types)
+
+
+def decode_splits(cache_slots, window=0):
+    """Splits of decode()'s grid: one per DECODE_SPLIT_KEYS keys a query can see, at most
+    MAX_SPLITS (fixed by the cache's capacity, so a CUDA graph replays it)."""
+    from .attention import MAX_SPLITS
+    cap = cache_slots if window == 0 else min(cache_slots, window)
+    return max(1, min(MAX_SPLITS, cap // DECODE_SPLIT_KEYS))
+
+
+def decode(part_acc, part_ml, P, q, k_cache, v_cache, pos, scale, window=0, stream=0, sinks=None):
+    """One token's attention, keys split P ways: split p writes its unnormalised O into
+    part_acc[p, 0] [H, Dh] and its rows' (max, sum) into part_ml[p, 0] [H, 2], as the warp
+    kernel's splits do; attention.merge_splits_kernel (min_keys DECODE_SPLIT_KEYS, every split
+    count) makes out."""
+    T, H, Dh = q.shape
+    kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], kv_type_of(k_cache), kv_type_of(v_cache),
+                                  WARPS, KEYS, MIN_BLOCKS, SPLIT=True)
+    grid = (1, k_cache.shape[1], P)
+    kern[grid, nth, stream](q, part_acc, part_ml, DECODE_SPLIT_KEYS, q, k_cache, v_cache, pos, f32(scale),
+                            int(window), or_empty(sinks))
+
+
+def _unused_parts():
+    key = ("unused_parts", device_id())
+    a = _kernels.get(key)
+    if a is None:
+        a = _kernels[key] = cuda.device_array((1, 1, 1, 2), np.float32)
+    return a
