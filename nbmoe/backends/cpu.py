@@ -157,7 +157,7 @@ class Backend:
         fa = self.flash_attn != "off" and self.attn.flash_used(T, Dh, kv_types)
         if self.attn.decoding(T):
             # a backend whose attention has DECODE_FLASH takes it over long caches (by the cache)
-            fa = self.flash_attn != "off" and getattr(self.attn, "DECODE_FLASH", False)
+            fa = self.flash_attn != "off" and T == 1 and getattr(self.attn, "DECODE_FLASH", False)
             self.attn_paths[(T, Dh)] = "one-token kernel" + (" (flash over long caches)" if fa else "")
         else:
             self.attn_paths[(T, Dh)] = "flash" if fa else "plain"
