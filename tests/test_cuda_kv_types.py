@@ -24,8 +24,11 @@ def caches(types, C, Hkv, Dh):
 
 @pytest.mark.parametrize("types", [("q8_0", "bf16"), ("bf16", "q8_0")])
 def test_store_kv_and_attention(types, small, monkeypatch):
-    """T = 1 over three key splits, and a batch of T = 3 on the warp-per-query kernel (-fa off)."""
+    """T = 1 over three key splits, and a batch of T = 3, on the warp-per-query kernels (-fa off)
+    and the flash kernel (q8_0 rows staged raw, then converted; T = 1: flash.decode's splits)."""
     monkeypatch.setattr(att, "SPLIT_KEYS", 4)
+    monkeypatch.setattr(flash, "DECODE_MIN_CACHE", 8)
+    monkeypatch.setattr(flash, "DECODE_SPLIT_KEYS", 4)
     H, Hkv, Dh, pos0, C = 2, 1, 64, 9, 12
     k_all, v_all = rnd(pos0 + 3, Hkv, Dh, seed=1), rnd(pos0 + 3, Hkv, Dh, seed=2, scale=0.01)
     kc, vc = caches(types, C, Hkv, Dh)
@@ -37,9 +40,11 @@ def test_store_kv_and_attention(types, small, monkeypatch):
     kr, vr = naive.kv_round(k_all, types[0]), naive.kv_round(v_all, types[1])
     for T, p in ((1, pos0 + 2), (3, pos0)):
         q = rnd(T, H, Dh, seed=T, scale=2.0)
-        out = poisoned(q.shape)
-        att.attention(out, dev(q), dkc, dvc, p, 0.125, fa=False)
-        check(f"attention {types} T={T}", out.copy_to_host(), naive.attention(q, kr, vr, p, 0.125))
+        for fa in (False, True):
+            out = poisoned(q.shape)
+            att.attention(out, dev(q), dkc, dvc, p, 0.125, fa=fa)
+            check(f"attention {types} T={T} fa={fa}", out.copy_to_host(), naive.attention(q, kr, vr, p, 0.125),
+                  **({"rtol": 4e-3} if fa else {}))
 
 
 @pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "bf16")])

@@ -117,6 +117,13 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
     RP = NTH // DW              # staging: cache rows a pass of the block's threads covers
     NK = BK // RP               # K words a thread stages a step
     NV = BK // 2 // RP          # V word pairs a thread stages a step
+    # q8_0 rows are staged raw first (RAWK / RAWV): whole 32-bit words of the rows' bytes, all
+    # loads of K and V in flight at once, into Raw (K's, then V's), converted from there
+    RAWK, RAWV = KT == "q8_0" and HBK % 4 == 0, VT == "q8_0" and HBV % 4 == 0
+    RWK, RWV = HBK // 4, HBV // 4                     # words of a raw row
+    NRK = (BK * RWK + NTH - 1) // NTH if RAWK else 1  # raw words a thread loads a step
+    NRV = (BK * RWV + NTH - 1) // NTH if RAWV else 1
+    RAWS = max(BK * RWK if RAWK else 1, BK * RWV if RAWV else 1)
     SAME = KT == VT
     from .attention import active_splits
     assert supported(Dh, (KT, VT)) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
@@ -128,6 +135,7 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
         R = T * G                                     # query rows of a kv head
         Ks = cuda.shared.array(KS, u32)
         Vt = cuda.shared.array(VS, u32)
+        Raw = cuda.shared.array(RAWS, u32)
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
@@ -180,6 +188,8 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
         kst = cuda.local.array(NK, u32)
         vst0 = cuda.local.array(NV, u32)
         vst1 = cuda.local.array(NV, u32)
+        rk = cuda.local.array(NRK, u32)
+        rv = cuda.local.array(NRV, u32)
         m_a = NEG_INF
         m_b = NEG_INF
         l_a = f32(0.0)
@@ -195,18 +205,50 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
             # 1. stage K (rows) and V (transposed) of keys j0 ..: a thread takes word w of
             # keys kr + RP i (V: of key pairs kr + RP i), all loads of a matrix before its stores
             kb = (j0 * Hkv + hk) * HBK + kr * krow + kw     # key kr
-            for i in range(NK):
-                kst[i] = kpair(k_cache, kb, i * RP * krow, w) if j0 + kr + RP * i < hi else u32(0)
+            if RAWK:
+                for i in range(NRK):
+                    wi = tid + NTH * i
+                    key = wi // RWK
+                    ok = wi < BK * RWK and j0 + key < hi
+                    rk[i] = ld_u32(k_cache, (j0 + key) * krow + hk * HBK, 4 * (wi - key * RWK)) if ok else u32(0)
+            if RAWV:
+                for i in range(NRV):
+                    wi = tid + NTH * i
+                    key = wi // RWV
+                    ok = wi < BK * RWV and j0 + key < hi
+                    rv[i] = ld_u32(v_cache, (j0 + key) * vrow + hk * HBV, 4 * (wi - key * RWV)) if ok else u32(0)
+            if RAWK:
+                for i in range(NRK):
+                    if tid + NTH * i < BK * RWK:
+                        Raw[tid + NTH * i] = rk[i]
+                cuda.syncthreads()
+                for i in range(NK):
+                    kst[i] = kpair(Raw, kr * HBK + kw, i * RP * HBK, w)
+            else:
+                for i in range(NK):
+                    kst[i] = kpair(k_cache, kb, i * RP * krow, w) if j0 + kr + RP * i < hi else u32(0)
             for i in range(NK):
                 Ks[(kr + RP * i) * SK + w] = kst[i]
-            if SAME:                                    # key 2 kr (pair kr)
-                vb = kb + kr * krow
+            if RAWV:
+                if RAWK:
+                    cuda.syncthreads()                  # K's conversion has read Raw
+                for i in range(NRV):
+                    if tid + NTH * i < BK * RWV:
+                        Raw[tid + NTH * i] = rv[i]
+                cuda.syncthreads()
+                vr = 2 * kr * HBV + vw
+                for i in range(NV):
+                    vst0[i] = vpair(Raw, vr, 2 * i * RP * HBV, w)
+                    vst1[i] = vpair(Raw, vr, (2 * i * RP + 1) * HBV, w)
             else:
-                vb = (j0 * Hkv + hk) * HBV + 2 * kr * vrow + vw
-            for i in range(NV):
-                j = j0 + 2 * (kr + RP * i)
-                vst0[i] = vpair(v_cache, vb, 2 * i * RP * vrow, w) if j < hi else u32(0)
-                vst1[i] = vpair(v_cache, vb, (2 * i * RP + 1) * vrow, w) if j + 1 < hi else u32(0)
+                if SAME:                                # key 2 kr (pair kr)
+                    vb = kb + kr * krow
+                else:
+                    vb = (j0 * Hkv + hk) * HBV + 2 * kr * vrow + vw
+                for i in range(NV):
+                    j = j0 + 2 * (kr + RP * i)
+                    vst0[i] = vpair(v_cache, vb, 2 * i * RP * vrow, w) if j < hi else u32(0)
+                    vst1[i] = vpair(v_cache, vb, (2 * i * RP + 1) * vrow, w) if j + 1 < hi else u32(0)
             for i in range(NV):
                 a, b = vst0[i], vst1[i]               # dims (2w, 2w + 1) of keys 2 jp, 2 jp + 1
                 jp = kr + RP * i
