@@ -328,9 +328,9 @@ def _attention_kernel(Dh, ROPE=False, KT="f16", VT="f16"):
 # l = 0 and weighs 0. With one split in use there is nothing to do (unless `always`:
 # flash.decode's splits never write out). A sink (sinks[h], when given) joins here, once:
 # M = max(M, sink), den += exp(sink - M).
-# A block per (token, head), MERGE_WARPS warps: the weights f_p = exp(m_p - M) go to shared
-# memory, then warp w sums the splits p = w, w + W, ... for each dim (lane l: dims l, l + 32,
-# ...), four loads in flight, and the warps' sums are added in shared memory (Dh <= 256).
+# A block per (token, head, 32 dims), MERGE_WARPS warps: the weights f_p = exp(m_p - M) go to
+# shared memory, then warp w sums the splits p = w, w + W, ... (lane l: dim 32 blockIdx.y + l),
+# four loads in flight, and warp 0 adds the warps' sums.
 MERGE_WARPS = 2 if SIM else 8       # the simulator runs each thread as a Python thread
 
 
@@ -350,7 +350,7 @@ def merge_splits_kernel(out, part_acc, part_ml, P, pos, rows, window, sinks, min
         return                                     # attention wrote out itself
     fs = cuda.shared.array(MAX_SPLITS, f32)
     red = cuda.shared.array(MERGE_WARPS, f32)
-    sums = cuda.shared.array((MERGE_WARPS, 256), f32)
+    sums = cuda.shared.array((MERGE_WARPS, 32), f32)
     mx = NEG_INF
     for p in range(tid, Pa, NTH):
         mx = max(mx, part_ml[p, t, h, 0])
@@ -374,46 +374,45 @@ def merge_splits_kernel(out, part_acc, part_ml, P, pos, rows, window, sinks, min
     if lane == 0:
         red[wy] = dn
     cuda.syncthreads()
-    den = f32(0.0)
-    for w in range(MERGE_WARPS):
-        den += red[w]
-    if sink:
-        den += expf(sinks[h] - M)
-    for d in range(lane, Dh, 32):
-        n0 = n1 = n2 = n3 = f32(0.0)
-        p = wy
-        while p + 3 * MERGE_WARPS < Pa:
-            a0 = part_acc[p, t, h, d]
-            a1 = part_acc[p + MERGE_WARPS, t, h, d]
-            a2 = part_acc[p + 2 * MERGE_WARPS, t, h, d]
-            a3 = part_acc[p + 3 * MERGE_WARPS, t, h, d]
-            n0 += fs[p] * a0
-            n1 += fs[p + MERGE_WARPS] * a1
-            n2 += fs[p + 2 * MERGE_WARPS] * a2
-            n3 += fs[p + 3 * MERGE_WARPS] * a3
-            p += 4 * MERGE_WARPS
-        while p < Pa:
-            n0 += fs[p] * part_acc[p, t, h, d]
-            p += MERGE_WARPS
-        sums[wy, d] = (n0 + n1) + (n2 + n3)
+    d = cuda.blockIdx.y * 32 + lane
+    dd = min(d, Dh - 1)
+    n0 = n1 = n2 = n3 = f32(0.0)
+    p = wy
+    while p + 3 * MERGE_WARPS < Pa:
+        a0 = part_acc[p, t, h, dd]
+        a1 = part_acc[p + MERGE_WARPS, t, h, dd]
+        a2 = part_acc[p + 2 * MERGE_WARPS, t, h, dd]
+        a3 = part_acc[p + 3 * MERGE_WARPS, t, h, dd]
+        n0 += fs[p] * a0
+        n1 += fs[p + MERGE_WARPS] * a1
+        n2 += fs[p + 2 * MERGE_WARPS] * a2
+        n3 += fs[p + 3 * MERGE_WARPS] * a3
+        p += 4 * MERGE_WARPS
+    while p < Pa:
+        n0 += fs[p] * part_acc[p, t, h, dd]
+        p += MERGE_WARPS
+    sums[wy, lane] = (n0 + n1) + (n2 + n3)
     cuda.syncthreads()
-    for d0 in range(0, Dh, NTH):                   # every lane of a warp reaches quantize_lane
-        d = d0 + tid
-        v = f32(0.0)
+    if wy == 0:
+        num = f32(0.0)
+        den = f32(0.0)
+        for w in range(MERGE_WARPS):
+            num += sums[w, lane]
+            den += red[w]
+        if sink:
+            den += expf(sinks[h] - M)
+        v = num / den
         if d < Dh:
-            for w in range(MERGE_WARPS):
-                v += sums[w, d]
-            v = v / den
             out[t, h, d] = v
-        if quant:                                  # a warp: one 32-block of out (Dh % 32 == 0)
-            quantize_lane(xq, xds, ((t * H + h) * Dh + d) // 32, d < Dh, v, lane)
+        if quant:                                  # the warp: one 32-block of out (Dh % 32 == 0)
+            quantize_lane(xq, xds, ((t * H + h) * Dh) // 32 + cuda.blockIdx.y, True, v, lane)
 
 
 def merge_splits(out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant, always,
                  stream=0):
-    """Launch merge_splits_kernel over out [T, H, Dh] (Dh <= 256)."""
+    """Launch merge_splits_kernel over out [T, H, Dh]."""
     T, H, Dh = out.shape
-    merge_splits_kernel[T * H, (32, MERGE_WARPS), stream](
+    merge_splits_kernel[(T * H, (Dh + 31) // 32), (32, MERGE_WARPS), stream](
         out, part_acc, part_ml, P, pos, rows, window, sinks, min_keys, xq, xds, quant, always)
 
 
