@@ -81,14 +81,16 @@ def sweep(llm, ub, n_gen, rng):
         yield n_kv, time.perf_counter() - t0, t_tg
 
 
-def warm_up(llm, ub, message):
-    """One micro-batch and one token before timing (kernels compiled or loaded here)."""
+def warm_up(llm, ub, n_gen, message):
+    """One micro-batch and n_gen tokens before timing: kernels compiled or loaded, CUDA graphs
+    recorded (a run's second call) and the -zce share balanced, as at every later depth."""
     from nbmoe.compiling import CompileProgress, wait_ahead
     with CompileProgress(err_console, message, llm, "sweep", ahead=[1]) as progress:
         llm.reset()
         llm._decode(list(range(1, ub + 1)), all_logits=False)
         wait_ahead(progress)
-        llm._decode([1], all_logits=False)
+        for _ in range(max(n_gen, 2)):
+            llm._decode([1], all_logits=False)
     llm.reset()
 
 
@@ -137,7 +139,7 @@ def measure(args):
             llm.threads = threads
             numba.set_num_threads(threads)
             label = run_label(args, c, threads, llm)
-            warm_up(llm, c["ub"], f"warming up {label}")
+            warm_up(llm, c["ub"], args.n_gen, f"warming up {label}")
             for n_kv, t_pp, t_tg in sweep(llm, c["ub"], args.n_gen, rng):
                 rows.append(dict(
                     label=label, model_filename=os.path.basename(path), model_type=facts["label"],
