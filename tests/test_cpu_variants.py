@@ -320,23 +320,46 @@ def test_fused_glu_swiglu_oai(T):
     assert max_rel(out, g) < 1e-6
 
 
-@pytest.mark.parametrize("T", [1, 3])
-def test_fused_glu_id_swiglu_oai(T):
+@pytest.mark.parametrize("T,biased", [(1, False), (3, False), (3, True)])
+def test_fused_glu_id_swiglu_oai(T, biased):
+    """biased: gpt-oss's gate and up bias rows of the chosen experts, added before the GLU;
+    then the down product with its bias and the weighted sum (down_combine)."""
     E, A, F, D = 5, 2, 37, 64
     wg, wu, x = _w(E, F, D, seed=4), _w(E, F, D, seed=5), rnd(T, 1, D, seed=6, scale=4.0)
+    bg, bu = (readonly(rnd(E, F, seed=s, scale=2.0)) if biased else None for s in (7, 8))
     ids = np.array([[0, 3], [4, 0], [2, 1]][:T], np.int32)
     gf = np.einsum("tafd,td->taf", _f(wg)[ids], x[:, 0])             # [T, A, F]
     uf = np.einsum("tafd,td->taf", _f(wu)[ids], x[:, 0])
+    if biased:
+        gf, uf = gf + bg[ids], uf + bu[ids]
     ref = naive.swiglu_oai(gf, uf)
     g, u = np.empty((T, A, F), np.float32), np.empty((T, A, F), np.float32)
     matmul.mul_mat_id(g, wg, x, ids, QT)
     matmul.mul_mat_id(u, wu, x, ids, QT)
+    if biased:                                                      # the unfused nodes
+        ops.add_bias_id(g, g, bg, ids)
+        ops.add_bias_id(u, u, bu, ids)
     ops.swiglu_oai(g.reshape(T * A, F), g.reshape(T * A, F), u.reshape(T * A, F))
     out = np.full((T, A, F), np.nan, np.float32)
     step = matmul.expert_item_rows(F, wg.shape[2], T, QT)
-    fused.glu_id(out, wg, wu, x, ids, QT, matmul._int8(QT), step, fused.ACT_SWIGLU_OAI)
+    fused.glu_id(out, wg, wu, x, ids, QT, matmul._int8(QT), step, fused.ACT_SWIGLU_OAI, bg, bu)
     assert max_rel(out, ref) < RTOL
     assert max_rel(out, g) < 1e-6
+    if not biased:
+        return
+    wd, bd = _w(E, D, F, seed=9), readonly(rnd(E, D, seed=10))
+    wts = rnd(T, A, seed=11)
+    y = np.einsum("tadf,taf->tad", _f(wd)[ids], ref) + bd[ids]        # [T, A, D]
+    want = np.einsum("ta,tad->td", wts, y)
+    got = np.full((T, D), np.nan, np.float32)
+    fused.down_combine(got, wd, out, ids, wts, fused.expert_bias(bd, E, D), QT, matmul._int8(QT),
+                       matmul.expert_item_rows(D, A * wd.shape[2], T, QT), 2)
+    assert max_rel(got, want) < RTOL
+    yd, plain = np.empty((T, A, D), np.float32), np.empty((T, D), np.float32)
+    matmul.mul_mat_id(yd, wd, out, ids, QT)
+    ops.add_bias_id(yd, yd, bd, ids)
+    moe.moe_combine(plain, yd, wts)
+    assert np.array_equal(got, plain)
 
 
 NO_NORM = readonly(np.zeros(0, np.float32))
@@ -357,19 +380,23 @@ def test_ffn_block_swiglu_oai():
     assert max_rel(x, ref) < RTOL
 
 
-@pytest.mark.parametrize("gating,bias,groups", [(0, False, (0, 0)), (2, False, (0, 0)), (1, True, (4, 2))])
-def test_moe_block_routing_and_swiglu_oai(gating, bias, groups):
+@pytest.mark.parametrize("gating,bias,groups,biased", [(0, False, (0, 0), False), (2, False, (0, 0), False),
+                                                       (1, True, (4, 2), False), (2, False, (0, 0), True)])
+def test_moe_block_routing_and_swiglu_oai(gating, bias, groups, biased):
     """The block's experts vs the unfused nodes: router product, topk_route with the variant's
-    arguments, glu_id, down products and moe_combine."""
+    arguments, glu_id, down products and moe_combine. biased: gpt-oss's router, gate, up and
+    down biases (blocks.moe_biases)."""
     D, F, E, A, eps = 64, 37, 8, 2, 1e-5
     wr, wg, wu, wd = _w(E, D, seed=12), _w(E, F, D, seed=13), _w(E, F, D, seed=14), _w(E, D, F, seed=15)
     nw = readonly(rnd(D, seed=16) + 2.0)
     b = readonly(rnd(E, seed=17, scale=0.3)) if bias else ops.EMPTY
+    br, bg, bu, bd = (rnd(*shape, seed=19 + i) * biased for i, shape in enumerate(((E,), (E, F), (E, F), (E, D))))
     x0 = rnd(1, D, seed=18, scale=2.0)
     h = naive.rms_norm(x0, nw, eps)
-    ids_ref, w_ref = naive.topk_route((h @ _f(wr).T).astype(np.float32), A, True, gating, 1.5,
-                                      b if bias else None, *groups)
-    y = np.stack([naive.swiglu_oai(h[0] @ _f(wg)[e].T, h[0] @ _f(wu)[e].T) @ _f(wd)[e].T for e in ids_ref[0]])
+    logits = (h @ _f(wr).T + br).astype(np.float32)
+    ids_ref, w_ref = naive.topk_route(logits, A, True, gating, 1.5, b if bias else None, *groups)
+    y = np.stack([naive.swiglu_oai(h[0] @ _f(wg)[e].T + bg[e], h[0] @ _f(wu)[e].T + bu[e]) @ _f(wd)[e].T
+                  + bd[e] for e in ids_ref[0]])
     ref = x0 + (w_ref[0] @ y)[None]
     x = x0.copy()
     hb, logits, f = np.empty((1, D), np.float32), np.empty((1, E), np.float32), np.empty((1, D), np.float32)
@@ -377,8 +404,10 @@ def test_moe_block_routing_and_swiglu_oai(gating, bias, groups):
     steps = (matmul.item_rows(E, wr.shape[1], 1, QT), matmul.expert_item_rows(F, wg.shape[2], 1, QT),
              matmul.expert_item_rows(D, A * wd.shape[2], 1, QT))
     i8 = matmul._int8(QT)
+    biases = blocks.moe_biases(wg, wu, wd, *((br, bg, bu, bd) if biased else ()))
     blocks.moe_block(x, hb, logits, ids, wts, g, f, eps, (nw, NO_NORM), wr, wg, wu, wd, (QT, QT, QT),
-                     (i8, i8, i8), steps, fused.ACT_SWIGLU_OAI, True, 2, gating, 1.5, b, *groups)
+                     (i8, i8, i8), steps, fused.ACT_SWIGLU_OAI, True, 2, gating, 1.5, b, *groups,
+                     biases=biases)
     assert np.array_equal(ids, ids_ref)
     assert max_rel(x, ref) < RTOL
 

@@ -176,6 +176,61 @@ def test_fused_glu_act(act, small, monkeypatch):
         fused.glu_q8(got.reshape(A, M), dev(w[1]), dev(wu[1]), xq, xds, qt, K, 7)
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_fused_expert_biases(merged, small, monkeypatch):
+    """gpt-oss's expert biases in the fused kernels: glu_id_q8 adds the chosen expert's gate /
+    up bias rows before the GLU (merged, -muge: one [E, 2M] bias, gate half then up half),
+    down_combine_q8 the down bias rows before the weighted sum (and the residual add): bit
+    for bit the products, add_bias_id, swiglu_oai and moe_combine; and the float64 math."""
+    monkeypatch.setattr(matmul, "INT8_DOT", True)
+    qt, E, M, K, A, T, D = int(Q["Q8_0"]), 4, 5, 64, 2, 2, 3
+    w, wref = quantize(rnd(E, 2 * M, K, seed=1), "Q8_0")        # each expert: gate rows, up rows
+    b = rnd(E, 2 * M, seed=2, scale=2.0)
+    x = rnd(T, 1, K, seed=3, scale=1.5)
+    ids = dev(np.array([[3, 0], [1, 3]], np.int32))
+    hids = ids.copy_to_host()
+    xr = x_rounded(x)
+    want = [np.stack([naive.swiglu_oai(wref[e, :M] @ xr[t, 0] + b[e, :M], wref[e, M:] @ xr[t, 0] + b[e, M:])
+                      for e in hids[t]]) for t in range(T)]
+    # unfused: the two products, their biases, the GLU
+    halves = [dev(np.ascontiguousarray(a)) for a in (w[:, :M], w[:, M:], b[:, :M], b[:, M:])]
+    g, u = poisoned((T, A, M)), poisoned((T, A, M))
+    for out, wh, bh in ((g, halves[0], halves[2]), (u, halves[1], halves[3])):
+        matmul.mul_mat_id(out, wh, dev(x), ids, qt)
+        ops.add_bias_id(out, out, bh, ids)
+    ops.swiglu_oai(g.reshape(T * A, M), g.reshape(T * A, M), u.reshape(T * A, M))
+    got = poisoned((T, A, M))
+    xq, xds = quantize_x(dev(x), T, K, 0)
+    if merged:
+        fused.glu_id_q8(got, dev(w), None, xq, xds, ids, 1, qt, K, fused.ACT_SWIGLU_OAI, bg=dev(b.reshape(-1)))
+    else:
+        fused.glu_id_q8(got, halves[0], halves[1], xq, xds, ids, 1, qt, K, fused.ACT_SWIGLU_OAI,
+                        bg=halves[2], bu=halves[3])
+    assert np.array_equal(got.copy_to_host(), g.copy_to_host())
+    check(f"glu_id_q8 biases merged={merged}", got.copy_to_host(), np.stack(want), 1e-4)
+    if merged:
+        return
+    # down: x [T, A, K] per pair, bias [E, D], the weighted sum and the residual
+    wd, wdref = quantize(rnd(E, D, K, seed=4), "Q8_0")
+    bd, xa, wts, res = rnd(E, D, seed=5), rnd(T, A, K, seed=6), rnd(T, A, seed=7), rnd(T, D, seed=8)
+    xar = x_rounded(xa)
+    ref = np.stack([sum(wts[t, a] * (wdref[hids[t, a]] @ xar[t, a] + bd[hids[t, a]]) for a in range(A))
+                    for t in range(T)])
+    y, plain = poisoned((T, A, D)), poisoned((T, D))
+    matmul.mul_mat_id(y, dev(wd), dev(xa), ids, qt)
+    ops.add_bias_id(y, y, dev(bd), ids)
+    moe.moe_combine(plain, y, dev(wts))
+    xq, xds = quantize_x(dev(xa), T * A, K, 0)
+    got, acc = poisoned((T, D)), dev(res)
+    fused.down_combine_q8(got, dev(wd), xq, xds, ids, dev(wts), qt, K, bias=dev(bd.reshape(-1)))
+    fused.down_combine_q8(acc, dev(wd), xq, xds, ids, dev(wts), qt, K, accumulate=True, bias=dev(bd))
+    assert np.array_equal(got.copy_to_host(), plain.copy_to_host())
+    assert np.array_equal(acc.copy_to_host(), res + plain.copy_to_host())
+    check("down_combine_q8 biases", got.copy_to_host(), ref, 1e-4)
+    with pytest.raises(ValueError, match="expert bias"):
+        fused.down_combine_q8(got, dev(wd), xq, xds, ids, dev(wts), qt, K, bias=dev(bd[:2]))
+
+
 # ---------------------------------------------------------------- routing variants
 
 def test_topk_route_groups_by_hand(small):

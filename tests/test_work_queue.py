@@ -64,9 +64,10 @@ def test_expert_products_same_bits_for_any_worker_count(name):
     results = []
     for n_workers in (1, 2, 3, 16):
         g = np.zeros((T, A, F), np.float32)
-        matmul._mul_mat_id_vec(g, w, x, ids, qt, ids.size + 1, int8, 4, w, 0, matmul.ACT_SILU, n_workers)
+        matmul._mul_mat_id_vec(g, w, x, ids, qt, ids.size + 1, int8, 4, w, 0, matmul.ACT_SILU,
+                               fused.EMPTY, fused.EMPTY, n_workers)
         out = np.zeros((T, F), np.float32)
-        fused.down_combine(out, w, g, ids, wts, qt, int8, 6, n_workers)
+        fused.down_combine(out, w, g, ids, wts, fused.EMPTY, qt, int8, 6, n_workers)
         results.append((g, out))
     for g, out in results[1:]:
         assert np.array_equal(g, results[0][0]) and np.array_equal(out, results[0][1])

@@ -134,11 +134,12 @@ def bench_type(name, a, bw, rng):
         for path, int8, q, ws in variants(qt, wsp, a.rtr):
             step = matmul.expert_item_rows(M, w1.shape[1], 1, q)
             nw = numba.get_num_threads()
-            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], q, 9, int8, step, ws[0], 0, matmul.ACT_NONE, nw)
+            matmul._mul_mat_id_vec(out, ws[0], x, ids[0], q, 9, int8, step, ws[0], 0, matmul.ACT_NONE,
+                                   matmul.EMPTY, matmul.EMPTY, nw)
             err = check(out[0, 0:1], w1, x[0, 0:1], qt, 1.5e-2 if int8 else 1e-4)
             t = walk_time(lambda i: matmul._mul_mat_id_vec(
                 out, ws[i // len(ids) % len(ws)], x, ids[i % len(ids)], q, 9, int8, step,
-                ws[0], 0, matmul.ACT_NONE, nw), len(ids) * len(ws))
+                ws[0], 0, matmul.ACT_NONE, matmul.EMPTY, matmul.EMPTY, nw), len(ids) * len(ws))
             gbs = 8 * w1.nbytes / t / 1e9
             rows.append(dict(type=name, test=f"experts {E}x{M}x{K} A=8", path=path,
                              ms=t * 1e3, gbs=gbs, ratio=gbs / bw, gflops=16 * M * K / t / 1e9, rel_err=err))

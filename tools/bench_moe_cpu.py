@@ -69,7 +69,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
             t1 = time.perf_counter()
-            fused.down_combine(out, wd, g, ids, wts, qt, int8, step_d, numba.get_num_threads())
+            fused.down_combine(out, wd, g, ids, wts, fused.EMPTY, qt, int8, step_d, numba.get_num_threads())
             t2 = time.perf_counter()
             if tok >= 2:
                 t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1

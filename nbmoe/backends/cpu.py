@@ -243,6 +243,13 @@ class Backend:
         out, x, b, ops = _rows2d(buf[node.out]), _rows2d(buf[node.srcs[0]]), self.vector(node.weight), self.ops
         return lambda: ops.add_bias(out, x, b)
 
+    def expert_bias(self, members, product):
+        """The bias vector (flat [E * M]) of an expert product in a fused group, from the
+        group's ADD_BIAS_ID member that adds to its output; self.empty() if it has none."""
+        b = next((n for n in members if product is not None and n.op == "ADD_BIAS_ID"
+                  and n.srcs[0] == product.out), None)
+        return self.empty() if b is None else self.vector(b.weight)
+
     def bind_add_bias_id(self, node, buf, state):
         out, x = buf[node.out], buf[node.srcs[0]]
         ids, ops = chosen_slots(node, buf[node.srcs[1]]), self.ops
@@ -325,25 +332,28 @@ class CPUBackend(Backend):
                                       "MUL_MAT+GLU")]
 
     def _bind_glu_id(self, members, buf, state):
-        gate, glu = members[0], members[-1]
+        gate, up, glu = expert_glu(members)
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
-        # two members: a merged gate_up (-muge), the up rows after each expert's gate rows
-        wu = self.mul_mat_id_operands(members[1], buf)[1] if len(members) == 3 else None
+        # up None: a merged gate_up (-muge), the up rows after each expert's gate rows
+        wu = self.mul_mat_id_operands(up, buf)[1] if up else None
+        bg, bu = self.expert_bias(members, gate), self.expert_bias(members, up)
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
         step = mm.expert_item_rows(out.shape[2], wg.shape[2], ids.shape[0], qtype)
         int8 = mm._int8(qtype)
         return [None] * (len(members) - 1) + [_labelled(
-            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act), "MUL_MAT_ID_GLU")]
+            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg, bu), "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
-        down, combine = members
+        down, combine = members[0], members[-1]
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, mm, fused = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm, self.fused
+        bias = fused.expert_bias(self.expert_bias(members, down), w.shape[0], w.shape[1])
         A = ids.shape[1]
         step = mm.expert_item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype)
         int8, threads = mm._int8(qtype), numba.get_num_threads      # workers: the threads at call time
-        return [None, _labelled(lambda: fused.down_combine(out, w, x, ids, wts, qtype, int8, step, threads()),
-                                "MUL_MAT_ID+MOE_COMBINE")]
+        return [None] * (len(members) - 1) + [_labelled(
+            lambda: fused.down_combine(out, w, x, ids, wts, bias, qtype, int8, step, threads()),
+            "MUL_MAT_ID+MOE_COMBINE")]
 
     # -- whole blocks, one token (cpu/blocks.py) ---------------------------------------------
     def _vec_product(self, node, buf, rows=None):
@@ -407,15 +417,18 @@ class CPUBackend(Backend):
         return [None] * (len(members) - 1) + [step]
 
     def _bind_moe_block(self, members, buf, state):
-        norm, router, topk, gate = members[:4]
-        merged = members[4].op == "GLU"         # -muge: gate_up, then the GLU of its halves
-        up = None if merged else members[4]
-        glu, down, comb = members[5 - merged:8 - merged]
-        post = members[8 - merged] if members[8 - merged].op == "RMS_NORM" else None
+        norm, router = members[:2]
+        topk, comb = (next(n for n in members if n.op == op) for op in ("TOPK_MOE", "MOE_COMBINE"))
+        rbias = members[2] if members[2].op == "ADD_BIAS" else None     # the router's bias
+        gate, up, glu = expert_glu(members)                 # up None: -muge's merged gate_up
+        down = members[next(i for i, n in enumerate(members) if n is glu) + 1]
+        post = members[-2] if members[-2].op == "RMS_NORM" else None
         pr = self._vec_product(router, buf)
         _, wg, _, ids, qg = self.mul_mat_id_operands(gate, buf)
-        wu = None if merged else self.mul_mat_id_operands(up, buf)[1]
+        wu = None if up is None else self.mul_mat_id_operands(up, buf)[1]
         _, wd, g, _, qd = self.mul_mat_id_operands(down, buf)
+        biases = self.blocks.moe_biases(wg, wu, wd, self.vector(rbias.weight) if rbias else None,
+                                        *(self.expert_bias(members, p) for p in (gate, up, down)))
         A, mm = ids.shape[1], self.mm
         # work items as the unfused glu_id and down_combine groups pick them
         steps = (pr[3], mm.expert_item_rows(g.shape[2], wg.shape[2], 1, qg),
@@ -429,7 +442,7 @@ class CPUBackend(Backend):
         route = self._route_args(topk)
         step = _labelled(lambda: blocks.moe_block(
             x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps,
-            act, norm_topk, threads(), *route), "MOE_BLOCK")
+            act, norm_topk, threads(), *route, biases=biases), "MOE_BLOCK")
         step.regions = _region(pr) + 2                  # [router], experts' gate/up/GLU, down
         return [None] * (len(members) - 1) + [step]
 
@@ -480,6 +493,14 @@ def _labelled(step, label):
     """A step with the op name --timings files it under."""
     step.label = label
     return step
+
+
+def expert_glu(members):
+    """(gate, up, GLU) of a fused group that holds the experts' gate and up products (up None:
+    a merged gate_up, -muge), whatever its other members (biases, routing, down)."""
+    glu = next(n for n in members if n.op == "GLU")
+    prods = [n for n in members if n.op == "MUL_MAT_ID" and n.out in glu.srcs]
+    return prods[0], (prods[1] if len(prods) == 2 else None), glu
 
 
 def _act(fused, glu):

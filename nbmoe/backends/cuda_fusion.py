@@ -18,7 +18,7 @@ one the group's binder leaves).
 """
 import numpy as np
 
-from nbmoe.backends.cpu import _act, _labelled, _rows2d, chosen_slots, kv_types
+from nbmoe.backends.cpu import _act, _labelled, _rows2d, chosen_slots, expert_glu, kv_types
 from nbmoe.sched import fusion
 
 
@@ -152,33 +152,35 @@ class FusionBinders:
         return [None, None, _labelled(run, "MUL_MAT+GLU")]
 
     def _bind_glu_id(self, members, buf, state):
-        gate, glu = members[0], members[-1]
+        gate, up, glu = expert_glu(members)
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
-        # two members: a merged gate_up (-muge), the up rows after each expert's gate rows
-        wu = self.mul_mat_id_operands(members[1], buf)[1] if len(members) == 3 else None
+        # up None: a merged gate_up (-muge), the up rows after each expert's gate rows
+        wu = self.mul_mat_id_operands(up, buf)[1] if up else None
+        bg, bu = self.expert_bias(members, gate), self.expert_bias(members, up)
         out, act, X, K = buf[glu.out], _act(self.fused, glu), x.shape[1], x.shape[2]
         x8, fused = self._x8(gate, buf, qtype, x), self.fused
 
         def run():
             xq, xds = x8()
-            fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act)
+            fused.glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, bg=bg, bu=bu)
         return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
-        down, combine = members[:2]
+        down = members[0]
+        combine = next(n for n in members if n.op == "MOE_COMBINE")
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
         out, wts, K = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), x.shape[2]
-        add = len(members) == 3                  # down_combine_add: x += the weighted sum
+        bias = self.expert_bias(members, down)
+        add = members[-1].op == "ADD"            # down_combine_add: x += the weighted sum
         if add:
-            out = buf[members[2].out]
+            out = buf[members[-1].out]
         x8, fused = self._x8(down, buf, qtype, x), self.fused
 
         def run():
             xq, xds = x8()
-            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, accumulate=add)
-        if add:
-            return [None, None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE+ADD")]
-        return [None, _labelled(run, "MUL_MAT_ID+MOE_COMBINE")]
+            fused.down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, accumulate=add, bias=bias)
+        return [None] * (len(members) - 1) + [_labelled(
+            run, "MUL_MAT_ID+MOE_COMBINE+ADD" if add else "MUL_MAT_ID+MOE_COMBINE")]
 
     _bind_down_combine_add = _bind_down_combine
 

@@ -14,14 +14,15 @@ run on the calling thread, as they do unfused at T = 1.
 
 Products are given as (weight [M, row_bytes] uint8, qtype, int8 path, rows per work item),
 as matmul's matrix-vector kernels take them; a block is built per tuple of qtypes and int8
-paths (specialize.py). Absent optional norms are empty arrays.
+paths (specialize.py). Absent optional norms and biases are empty arrays.
 """
 from numba import njit
 
 from . import attention as attn
 from . import moe, ops
-from .fused import down_combine, glu
-from .matmul import _mul_mat_id_vec, _products, mat_vec
+from .fused import down_combine, expert_bias, glu
+from .matmul import _add_bias_rows, _mul_mat_id_vec, _products, mat_vec
+from .ops import EMPTY
 from .specialize import ConstantArgs, entry
 
 
@@ -96,47 +97,67 @@ ffn_block = entry(_ffn_block_kernel, "x, h, g, f, eps, norms, wg, wu, wd, qtypes
 
 
 def _moe_block_kernel(qtypes, int8s, plain_route):
-    """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T) * (h @ Wu[e_a]^T)) @ Wd[e_a]^T),
-    h = ffn_norm(x), e_a and wts = the routing of the router's logits h @ Wr^T (moe.route:
-    norm_topk, gating, scale, bias, n_group, topk_group).
+    """x [1, D] += post_norm(sum_a wts[a] * (act(h @ Wg[e_a]^T + bg[e_a]) * (h @ Wu[e_a]^T +
+    bu[e_a])) @ Wd[e_a]^T + bd[e_a]), h = ffn_norm(x), e_a and wts = the routing of the
+    router's logits h @ Wr^T + br (moe.route: norm_topk, gating, scale, bias, n_group,
+    topk_group).
 
     h [1, D], logits [1, E], ids / wts [1, A], g [1, A, F], f [1, D]: the graph's buffers;
     wu's up rows start at row up0 of each expert (wu is wg, up0 = F: merged, -muge);
-    norms = (ffn_norm, post_ffw_norm); qtypes, int8s, steps: per product router, gate/up
-    (one type), down; n_workers: the expert products' (numba.get_num_threads()); plain_route
-    (moe.is_plain): the routing path compiled in.
+    norms = (ffn_norm, post_ffw_norm); biases = (br [E], bg, bu, bd: flat [E * rows an
+    expert], bu read from up0 as wu), a size-0 array where there is none; qtypes, int8s,
+    steps: per product router, gate/up (one type), down; n_workers: the expert products'
+    (numba.get_num_threads()); plain_route (moe.is_plain): the routing path compiled in.
     """
     qt_r, qt_gu, qt_d = qtypes
     i8_r, i8_gu, i8_d = int8s
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, wd, steps, act,
-                  norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
+    def moe_block(x, h, logits, ids, wts, g, f, eps, norms, biases, wr, wg, wu, up0, wd, steps,
+                  act, norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
         ffn_norm, post_norm = norms
+        br, bg, bu, bd = biases
         ops.rms_norm(h, x, ffn_norm, eps)                                 # [1, D]
         mat_vec(logits, wr, h, qt_r, i8_r, steps[0])                     # [1, E]
+        if br.shape[0] > 0:
+            _add_bias_rows(logits[0], br, 0)
         moe.route(plain_route, ids, wts, logits, norm_topk, gating, scale, bias, n_group,
                   topk_group)                                             # [1, A]
         _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
-                        steps[1], wu, up0, act, n_workers)                # gate/up/GLU: fused.glu_id
-        down_combine(f, wd, g, ids, wts, qt_d, i8_d, steps[2], n_workers)    # [1, D]
+                        steps[1], wu, up0, act, bg, bu, n_workers)        # gate/up/GLU: fused.glu_id
+        down_combine(f, wd, g, ids, wts, bd, qt_d, i8_d, steps[2], n_workers)    # [1, D]
         _norm_if(f, post_norm, eps)
         ops.add(x, x, f)
     return moe_block
 
 
-_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, "
-                   "wd, qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, bias, "
-                   "n_group, topk_group, plain_route")
+_moe_block = entry(_moe_block_kernel, "x, h, logits, ids, wts, g, f, eps, norms, biases, wr, wg, "
+                   "wu, up0, wd, qtypes, int8s, steps, act, norm_topk, n_workers, gating, scale, "
+                   "bias, n_group, topk_group, plain_route")
+
+
+NO_BIASES = (EMPTY,) * 4
 
 
 def moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, wd, qtypes, int8s, steps, act,
-              norm_topk, n_workers, gating, scale, bias, n_group, topk_group):
-    """wu None: wg is merged (-muge), each expert's gate rows then its F up rows."""
+              norm_topk, n_workers, gating, scale, bias, n_group, topk_group, biases=NO_BIASES):
+    """wu None: wg is merged (-muge), each expert's gate rows then its F up rows. biases:
+    moe_biases(...) (none: NO_BIASES)."""
     wu, up0 = (wg, g.shape[2]) if wu is None else (wu, 0)
-    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, wr, wg, wu, up0, wd, qtypes, int8s, steps,
-               act, norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
+    _moe_block(x, h, logits, ids, wts, g, f, eps, norms, biases, wr, wg, wu, up0, wd, qtypes,
+               int8s, steps, act, norm_topk, n_workers, gating, scale, bias, n_group, topk_group,
                moe.is_plain(bias, n_group))
 
 
-moe_block.__doc__ = _moe_block_kernel.__doc__
+def moe_biases(wg, wu, wd, router=None, gate=None, up=None, down=None):
+    """moe_block's biases: the router's [E] and the experts' gate, up, down ([E, rows] or
+    flat), each None where absent, checked and made flat and read-only (fused.expert_bias).
+    wu None: merged (-muge), gate the merged [E, 2F] bias, its up half read from row F."""
+    E = wg.shape[0]
+    if wu is None:
+        wu, up = wg, gate
+    return (expert_bias(router, 1, E), expert_bias(gate, E, wg.shape[1]),
+            expert_bias(up, E, wu.shape[1]), expert_bias(down, E, wd.shape[1]))
+
+
+moe_block.__doc__ = _moe_block_kernel.__doc__ + "\n    " + moe_block.__doc__

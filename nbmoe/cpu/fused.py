@@ -7,12 +7,16 @@ for the GPU, and the CPU backend binds them to these (matrix-vector path, T < BL
   products      outs[j] = x @ W_j^T for 2-3 weights of one type, x prepared once; the
                 work items run over the rows of all of them
   glu           out = act(x @ Wg^T) * (x @ Wu^T): an item computes both row runs, then the GLU
-  glu_id        the same for each (token, chosen expert) pair, grouped by expert as mul_mat_id
-  down_combine  out[t] = sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): an item is a run
-                of output rows; it dots every chosen expert's rows and sums in order a
+  glu_id        the same for each (token, chosen expert) pair, grouped by expert as mul_mat_id;
+                the chosen expert's gate / up bias rows added before the GLU
+  down_combine  out[t] = sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T [+ b[ids[t, a]]]): an
+                item is a run of output rows; it dots every chosen expert's rows, adds its
+                bias rows and sums in order a
 
 Each product row is the one matmul's kernels compute (same x preparation, same row dots), so
-the results equal the unfused nodes' (the GLU and the weighted sum in the same order).
+the results equal the unfused nodes' (the bias adds, the GLU and the weighted sum in the same
+order). Expert biases (gpt-oss's ADD_BIAS_ID nodes) are flat float32 arrays [E * rows an
+expert]; a size-0 array (ops.EMPTY) is none.
 act: ACT_SILU, ACT_GELU or ACT_SWIGLU_OAI (ops' row functions); glu is built per act, glu_id
 takes it at run time (its kernel is mul_mat_id's, shared with the plain expert products).
 """
@@ -20,9 +24,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, _dot_rows, _glu_rows,  # noqa: F401
-                     _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
-from .ops import PAR_MIN_ELEMS
+from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, _add_bias_rows, _dot_rows,  # noqa: F401
+                     _glu_rows, _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
+from .ops import EMPTY, PAR_MIN_ELEMS
 from .specialize import ConstantArgs, build, entry
 from .work_queue import new_queue, next_item
 
@@ -75,12 +79,30 @@ glu = entry(_glu_kernel, "out, wg, wu, x, qtype, int8, step, act")
 # matmul's expert kernel with its GLU (one parallel kernel for both: a cold start compiles
 # the type dispatch in it once).
 
-def glu_id(out, wg, wu, x, ids, qtype, int8, step, act, up0=0):
-    """wu None: wg is merged (-muge), expert e's gate rows then its up rows from up0 = F."""
+def glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg=EMPTY, bu=EMPTY):
+    """out [T, A, F] = act(x @ Wg[e]^T + bg[e]) * (x @ Wu[e]^T + bu[e]), e = ids[t, a].
+    wu None: wg is merged (-muge), expert e's gate rows then its up rows from up0 = F, and
+    bg its merged bias [E, 2F] likewise (bu unused)."""
+    up0 = 0
     if wu is None:
-        wu, up0 = wg, out.shape[2]
-    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, up0, act,
+        wu, up0, bu = wg, out.shape[2], bg
+    bg, bu = expert_bias(bg, wg.shape[0], wg.shape[1]), expert_bias(bu, wu.shape[0], wu.shape[1])
+    _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, up0, act, bg, bu,
                     numba.get_num_threads())
+
+
+def expert_bias(b, E, M):
+    """b [E, M] or flat [E * M] as the kernels take it (flat, read-only: one Numba type), or
+    EMPTY for none; ValueError for another size."""
+    if b is None or b.size == 0:
+        return EMPTY
+    if b.size != E * M:
+        raise ValueError(f"expert bias of {b.size} values, expected {E} experts x {M}")
+    b = np.ascontiguousarray(b, np.float32).reshape(-1)
+    if b.flags.writeable:
+        b = b.view()
+        b.flags.writeable = False
+    return b
 
 
 # ---------------------------------------------------------------- glu_halves
@@ -112,16 +134,18 @@ def glu_halves(out, gu, act):
 
 
 # ---------------------------------------------------------------- down_combine
-# out [T, M] = sum_a wts[t, a] * W[ids[t, a]] @ x[t, a] (x [T, A, K]); an item = a run of
-# `step` output rows for every token, the A expert rows dotted into y and summed in order a
-# (as moe_combine: out = w0 * y0, then out += w_a * y_a). Items shared out over n_workers
+# out [T, M] = sum_a wts[t, a] * (W[ids[t, a]] @ x[t, a] + b[ids[t, a]]) (x [T, A, K]; b flat
+# [E * M] or size 0: none); an item = a run of `step` output rows for every token, the A
+# expert rows dotted into y, the bias rows added, and summed in order a (as add_bias_id, then
+# moe_combine: out = w0 * y0, then out += w_a * y_a). Items shared out over n_workers
 # (numba.get_num_threads()) by work_queue, as the expert products'.
 
 def _down_combine_kernel(qtype, int8):
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def down_combine(out, w, x, ids, wts, step, n_workers):
-        M = w.shape[1]
+    def down_combine(out, w, x, ids, wts, bias, step, n_workers):
+        E, M = w.shape[0], w.shape[1]
         T, A, K = x.shape
+        sb = bias.shape[0] // E                   # bias values an expert (0: none)
         xf = x.reshape(T * A, K)
         xsum, xi = _prepare_x(xf, int8, qtype)
         queue = new_queue((M + step - 1) // step, n_workers)
@@ -134,6 +158,8 @@ def _down_combine_kernel(qtype, int8):
                     o = out[t, r0:r1]
                     for a in range(A):
                         _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+                        if sb > 0:
+                            _add_bias_rows(y, bias, ids[t, a] * sb + r0)
                         wa = wts[t, a]
                         if a == 0:
                             for i in range(r1 - r0):
@@ -145,4 +171,4 @@ def _down_combine_kernel(qtype, int8):
     return down_combine
 
 
-down_combine = entry(_down_combine_kernel, "out, w, x, ids, wts, qtype, int8, step, n_workers")
+down_combine = entry(_down_combine_kernel, "out, w, x, ids, wts, bias, qtype, int8, step, n_workers")

@@ -50,7 +50,7 @@ from .quants_rtr import (BASE, GROUP, R16_TYPES, block_biases, dequant_row_r16,
 from .quants_rtr_k import Q4_K_R16, prepare_xk
 from .quants_rtr_xs import IQ4_XS_R16
 from .quants_rtr_xs import prepare_xk as prepare_xk_xs
-from .ops import _geglu_row, _swiglu_oai_row, _swiglu_row
+from .ops import EMPTY, _geglu_row, _swiglu_oai_row, _swiglu_row
 from .work_queue import new_queue, next_item
 
 # Tokens sharing a weight matrix from which dequantize + BLAS beats T matrix-vector passes
@@ -426,8 +426,16 @@ def _group_by_expert(ids, E):
 # act: ACT_NONE the products alone; ACT_SILU / ACT_GELU / ACT_SWIGLU_OAI (fused.glu_id): w
 # holds the gate rows, wu the up rows from row up0 of each expert's matrix (0; a merged
 # ffn_gate_up_exps, -muge: wu is w, up0 = F), and an item computes both row runs of a pair,
-# then the GLU into out [T, A, F].
+# adds the chosen expert's gate / up bias rows (bg, bu flat [E * rows an expert], the up's
+# from up0 too; size 0: none; gpt-oss), then the GLU into out [T, A, F].
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = -1, 0, 1, 2
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _add_bias_rows(y, b, i0):
+    """y [R] += b[i0:i0 + R] (an expert's bias rows, as ops.add_bias_id adds them)."""
+    for i in range(y.shape[0]):
+        y[i] += b[i0 + i]
 
 
 @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
@@ -442,10 +450,11 @@ def _glu_rows(out, g, u, act):
 
 def _mul_mat_id_vec_kernel(qtype, int8):
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def mul_mat_id_vec(out, w, x, ids, blas_min, step, wu, up0, act, n_workers):
+    def mul_mat_id_vec(out, w, x, ids, blas_min, step, wu, up0, act, bg, bu, n_workers):
         E, M = w.shape[0], out.shape[2]
         T, X, K = x.shape
         A = ids.shape[1]
+        sg, su = bg.shape[0] // E, bu.shape[0] // E       # bias values an expert (0: none)
         order, start = _group_by_expert(ids, E)
         xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
         xsum, xi = _prepare_x(xf, int8, qtype)
@@ -472,13 +481,17 @@ def _mul_mat_id_vec_kernel(qtype, int8):
                     _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
                     if act != ACT_NONE:
                         _dot_rows(qtype, u, wu[e, up0 + r0:up0 + r1], xf, n, xsum, xi, int8)
+                        if sg > 0:
+                            _add_bias_rows(g, bg, e * sg + r0)
+                        if su > 0:
+                            _add_bias_rows(u, bu, e * su + up0 + r0)
                         _glu_rows(o, g, u, act)
                 item = next_item(queue, worker)
     return mul_mat_id_vec
 
 
 _mul_mat_id_vec = entry(_mul_mat_id_vec_kernel,
-                        "out, w, x, ids, qtype, blas_min, int8, step, wu, up0, act, n_workers")
+                        "out, w, x, ids, qtype, blas_min, int8, step, wu, up0, act, bg, bu, n_workers")
 
 
 def mul_mat_id(out, w, x, ids, qtype):
@@ -488,7 +501,7 @@ def mul_mat_id(out, w, x, ids, qtype):
     if ids.shape[0] < many:  # generation: every chosen expert by matrix-vector
         step = expert_item_rows(w.shape[1], w.shape[2], ids.shape[0], qtype)
         _mul_mat_id_vec(out, w, x, ids, int(qtype), ids.size + 1, _int8(qtype), step, w, 0, ACT_NONE,
-                        numba.get_num_threads())
+                        EMPTY, EMPTY, numba.get_num_threads())
         return
     T, X, K = x.shape
     A = ids.shape[1]
@@ -498,7 +511,7 @@ def mul_mat_id(out, w, x, ids, qtype):
         many = 1                                   # gemm_i8 takes the experts of few tokens too
     if ((counts > 0) & (counts < many)).any():     # experts of few tokens (it prepares all of x)
         _mul_mat_id_vec(out, w, x, ids, qtype, many, _int8(qtype), ITEM_ROWS, w, 0, ACT_NONE,
-                        numba.get_num_threads())
+                        EMPTY, EMPTY, numba.get_num_threads())
     if gemm:
         gemm_i8.mul_mat_id(out, w, x, ids, qtype, order, start, many)
         return

@@ -9,9 +9,11 @@ values in the same order as the separate kernels (bit-identical results; tests c
                    rows of up to three weights of one type sharing the 8-bit x
   glu_q8           act(x @ Wgate^T) * (x @ Wup^T): both rows dotted by one warp, the GLU
                    applied before the write (dense FFN)
-  glu_id_q8        the same per (token, chosen expert) pair (MoE FFN gate / up / GLU)
-  down_combine_q8  sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T): the down product of every
-                   chosen expert of a token and the weighted sum, no [T, A, D] round trip
+  glu_id_q8        the same per (token, chosen expert) pair (MoE FFN gate / up / GLU), the
+                   chosen expert's gate / up bias rows added before the GLU
+  down_combine_q8  sum_a w[t, a] * (x[t, a] @ Wdown[ids[t, a]]^T [+ b[ids[t, a]]]): the down
+                   product of every chosen expert of a token, its bias rows and the weighted
+                   sum, no [T, A, D] round trip
   norm_route       RMS norm of the residual, the router product and the top-k: a MoE
                    layer's routing in one launch (the last block to finish routes)
 
@@ -105,7 +107,9 @@ def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
 # Expert form: out[t, a, r] with the rows of expert ids[t, a] and x row t * X + (a or 0);
 # grid (ceil(M / warps), T * A), block row y = pair t * A + a. An expert's matrix has ME rows:
 # M, or 2M for a merged gate_up (-muge: [E, 2M, RB], gate rows first), whose wu is then the
-# same bytes seen from row M on, so one byte offset reaches both rows.
+# same bytes seen from row M on, so one byte offset reaches both rows. The expert biases
+# (gpt-oss) bg, bu [E * ME] (size 0: none) are laid out as the rows, a merged one's bu the
+# same values seen from M on; added to the dots before the GLU (as add_bias_id).
 
 def _glu_kernel(qtype, experts, V):
     row_dot = row_dot_fn(qtype, V, NW=2)     # gate and up rows: both rows' loads in flight
@@ -113,7 +117,7 @@ def _glu_kernel(qtype, experts, V):
     def build():
         if experts:
             @cuda.jit
-            def glu_id_q8_kernel(out, wg, wu, xq, xds, ids, X, RB, K, act, ME):
+            def glu_id_q8_kernel(out, wg, wu, xq, xds, ids, X, RB, K, act, ME, bg, bu):
                 M = out.shape[2]
                 A = ids.shape[1]
                 lane = cuda.threadIdx.x
@@ -128,6 +132,10 @@ def _glu_kernel(qtype, experts, V):
                 g = warp_sum(acc[0])
                 u = warp_sum(acc[1])
                 if lane == 0 and r < M:
+                    if bg.shape[0] > 0:
+                        g += bg[ids[t, a] * ME + r]
+                    if bu.shape[0] > 0:
+                        u += bu[ids[t, a] * ME + r]
                     out[t, a, r] = _glu(g, u, act)
             return glu_id_q8_kernel
 
@@ -160,30 +168,42 @@ def glu_q8(out, wg, wu, xq, xds, qtype, K, act, stream=0):
         out, wg, wu, xq, xds, wg.shape[1], K, act)
 
 
-def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0):
-    """out [T, A, M] = act(x @ Wg[e]^T) * (x @ Wu[e]^T), e = ids[t, a] (weights [E, M, RB]);
-    wu None: wg [E, 2M, RB] is merged (-muge), each expert's M gate rows then its M up rows."""
+def glu_id_q8(out, wg, wu, xq, xds, ids, X, qtype, K, act, stream=0, bg=None, bu=None):
+    """out [T, A, M] = act(x @ Wg[e]^T + bg[e]) * (x @ Wu[e]^T + bu[e]), e = ids[t, a]
+    (weights [E, M, RB], biases float32 [E * M] or None); wu None: wg [E, 2M, RB] is merged
+    (-muge), each expert's M gate rows then its M up rows, and bg its merged bias [E * 2M]."""
     T, A, M = out.shape
     _check_act(act)
-    RB, ME = wg.shape[2], wg.shape[1]
+    E, RB, ME = wg.shape[0], wg.shape[2], wg.shape[1]
+    bg, bu = _expert_bias(bg, E * ME), _expert_bias(bu, E * ME)
     if wu is None:
-        wu = wg.reshape(wg.shape[0] * ME * RB)[M * RB:]
+        wu = wg.reshape(E * ME * RB)[M * RB:]
+        bu = bg[M:] if bg.shape[0] else bg
     _glu_kernel(qtype, True, chunks_in_flight(qtype, K))[((M + MMV_WARPS - 1) // MMV_WARPS, T * A), (32, MMV_WARPS), stream](
-        out, wg, wu, xq, xds, ids, X, RB, K, act, ME)
+        out, wg, wu, xq, xds, ids, X, RB, K, act, ME, bg, bu)
+
+
+def _expert_bias(b, n):
+    """An expert bias as the kernels take it: flat float32 [n] (E * rows), or EMPTY (None)."""
+    b = or_empty(b)
+    if b.size not in (0, n) or b.dtype != np.float32:
+        raise ValueError(f"expert bias: {b.size} values of {b.dtype}, expected float32 [{n}] or none")
+    return b.reshape(b.size) if len(b.shape) != 1 else b
 
 
 # ---------------------------------------------------------------- down_combine_q8
 # out[t, r] = sum_a wts[t, a] * (W[ids[t, a]][r] . x[t * A + a]), the sum in order a = 0..A-1
-# of warp-summed dots (as mul_mat_id then moe_combine). Grid (M, T), block (32, A): warp a
-# dots expert a's row (all A rows in flight at once: a warp walking the A experts in turn
-# was latency-bound), the block's first thread adds the A results from shared memory.
+# of warp-summed dots [+ the expert's bias row, b [E * M]] (as mul_mat_id [, add_bias_id]
+# then moe_combine). Grid (M, T), block (32, A): warp a dots expert a's row (all A rows in
+# flight at once: a warp walking the A experts in turn was latency-bound), the block's first
+# thread adds the A results from shared memory.
 
 def _down_combine_kernel(qtype, V, ACC):
     row_dot = row_dot_fn(qtype, V)
 
     def build():
         @cuda.jit
-        def down_combine_q8_kernel(out, w, xq, xds, ids, wts, RB, K):
+        def down_combine_q8_kernel(out, w, xq, xds, ids, wts, RB, K, bias):
             ys = cuda.shared.array(32, f32)
             M = out.shape[1]
             A = ids.shape[1]
@@ -198,7 +218,7 @@ def _down_combine_kernel(qtype, V, ACC):
             row_dot(acc, isum, w, w, (ids[t, a] * M + r) * RB, xq, xds, t * A + a, t * A + a, K, lane, 0)
             y = warp_sum(acc[0])
             if lane == 0:
-                ys[a] = y
+                ys[a] = y + bias[ids[t, a] * M + r] if bias.shape[0] > 0 else y
             cuda.syncthreads()
             if lane == 0 and a == 0:
                 acc = wts[t, 0] * ys[0]
@@ -209,14 +229,17 @@ def _down_combine_kernel(qtype, V, ACC):
     return cached(("down_combine_q8", int(qtype), V, ACC, chunk_units(qtype)), build)
 
 
-def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=False):
-    """out [T, M] = sum_a wts[t, a] * dequant(w[ids[t, a]]) @ x[t, a] (x [T, A, K] in 8 bits);
-    A <= 32. accumulate: out += that sum (the residual add fused in)."""
+def down_combine_q8(out, w, xq, xds, ids, wts, qtype, K, stream=0, accumulate=False, bias=None):
+    """out [T, M] = sum_a wts[t, a] * (dequant(w[ids[t, a]]) @ x[t, a] + bias[ids[t, a]])
+    (x [T, A, K] in 8 bits; bias float32 [E * M] or None); A <= 32. accumulate: out += that
+    sum (the residual add fused in)."""
     T, M = out.shape
     A = ids.shape[1]
     if A > 32:
         raise ValueError("down_combine_q8: more than 32 chosen experts")
-    _down_combine_kernel(qtype, chunks_in_flight(qtype, K), bool(accumulate))[(M, T), (32, A), stream](out, w, xq, xds, ids, wts, w.shape[2], K)
+    bias = _expert_bias(bias, w.shape[0] * M)
+    _down_combine_kernel(qtype, chunks_in_flight(qtype, K), bool(accumulate))[(M, T), (32, A), stream](
+        out, w, xq, xds, ids, wts, w.shape[2], K, bias)
 
 
 # ---------------------------------------------------------------- norm_route

@@ -132,9 +132,9 @@ def moe_ffn(g, cfg, p, T, fused=True, merged=False):
     """Router -> gating -> top-k (-> renormalise, scale) -> GLU experts -> weighted sum
     [+ shared experts]. fused: the gate, up and GLU nodes are marked as one op,
     MUL_MAT_ID_GLU (params fused_op), which the backends bind as one fused kernel where they
-    have it (fusion.py); experts with gate / up biases stay apart. merged (-muge, or a file
-    that ships ffn_gate_up_exps): one product [T, A, 2F] makes each expert's gate and up
-    halves, and the GLU reads the two halves of it."""
+    have it (fusion.py), the experts' biases (ADD_BIAS_ID after both products) included.
+    merged (-muge, or a file that ships ffn_gate_up_exps): one product [T, A, 2F] makes each
+    expert's gate and up halves, and the GLU reads the two halves of it."""
     E, A, D, F = cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     _linear(g, cfg, p, "ffn_gate_inp", "router", (T, E), "h")                          # [T, E]
     g.buffer("expert_ids", (T, A), np.int32)
@@ -143,22 +143,31 @@ def moe_ffn(g, cfg, p, T, fused=True, merged=False):
                norm=cfg.moe_norm_topk, gating=cfg.gating, scale=cfg.routed_scale,
                groups=(cfg.n_group, cfg.topk_group), also_writes=("expert_ids",))
 
-    def product(role, buf, shape, src, bias):
+    def product(role, buf, shape, src):
         g.add_node("MUL_MAT_ID", buf, shape, [src, "expert_ids"], p + role + ".weight")
-        if bias:                         # out[t, a] += b[expert of slot a]
+        return g.nodes[-1]
+
+    def bias(role, buf, shape, has):    # out[t, a] += b[expert of slot a]
+        if has:
             g.add_node("ADD_BIAS_ID", buf, shape, [buf, "expert_ids"], p + role + ".bias")
-    biased = any(cfg.has(r + ".bias") for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"))
     if merged:
-        product("ffn_gate_up_exps", "exp_gate_up", (T, A, 2 * F), "h", biased)           # [T, A, 2F]
-        g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate_up"], act=cfg.flags.glu)    # [T, A, F]
+        glu = [product("ffn_gate_up_exps", "exp_gate_up", (T, A, 2 * F), "h")]          # [T, A, 2F]
+        bias("ffn_gate_up_exps", "exp_gate_up", (T, A, 2 * F), any(
+            cfg.has(r + ".bias") for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps")))
+        g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate_up"], act=cfg.flags.glu)  # [T, A, F]
+        glu.append(g.nodes[-1])
     else:
-        product("ffn_gate_exps", "exp_gate", (T, A, F), "h", cfg.has("ffn_gate_exps.bias"))  # [T, A, F]
-        product("ffn_up_exps", "exp_up", (T, A, F), "h", cfg.has("ffn_up_exps.bias"))
+        glu = [product("ffn_gate_exps", "exp_gate", (T, A, F), "h"),                  # [T, A, F]
+               product("ffn_up_exps", "exp_up", (T, A, F), "h")]
+        bias("ffn_gate_exps", "exp_gate", (T, A, F), cfg.has("ffn_gate_exps.bias"))
+        bias("ffn_up_exps", "exp_up", (T, A, F), cfg.has("ffn_up_exps.bias"))
         g.add_node("GLU", "exp_gate", (T, A, F), ["exp_gate", "exp_up"], act=cfg.flags.glu)
-    if fused and not biased:
-        for n in g.nodes[-2 if merged else -3:]:
+        glu.append(g.nodes[-1])
+    if fused:
+        for n in glu:
             n.params["fused_op"] = "MUL_MAT_ID_GLU"
-    product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate", cfg.has("ffn_down_exps.bias"))  # [T, A, D]
+    product("ffn_down_exps", "exp_down", (T, A, D), "exp_gate")                         # [T, A, D]
+    bias("ffn_down_exps", "exp_down", (T, A, D), cfg.has("ffn_down_exps.bias"))
     g.add_node("MOE_COMBINE", "ffn_out", (T, D), ["exp_down", "expert_weights"])         # [T, D]
     if cfg.n_shared_expert:
         dense_ffn(g, cfg, p, T, cfg.n_ff_shexp, "_shexp", "shexp_out")

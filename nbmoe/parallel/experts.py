@@ -94,14 +94,15 @@ class ExpertShare:
         (wg, qg, bg), (wu, qu, bu), (wd, qd, bd) = (self.layers[il][r] for r in ("gate", "up", "down"))
         P, F, D, mm = x.shape[0], wg.shape[1], wd.shape[1], self.mm
         g = np.empty((P, 1, F), np.float32)
-        fused = (P <= self.backend.max_vec_t and bg is None and bu is None and bd is None
-                 and self.act is not None and qg == qu and FUSED_SUPPORT["CPU"]["GLU"](_Glu(self.cfg)))
-        if fused:      # as the CPU backend's glu_id and down_combine groups
+        fused = (P <= self.backend.max_vec_t and self.act is not None and qg == qu
+                 and FUSED_SUPPORT["CPU"]["GLU"](_Glu(self.cfg)))
+        if fused:      # as the CPU backend's glu_id and down_combine groups (biases included)
             step = mm.expert_item_rows(F, wg.shape[2], P, qg)
-            self.fused.glu_id(g, wg, wu, x, ids, qg, mm._int8(qg), step, self.act)
+            self.fused.glu_id(g, wg, wu, x, ids, qg, mm._int8(qg), step, self.act, bg, bu)
             y = np.empty((P, D), np.float32)
             step = mm.expert_item_rows(D, wd.shape[2], P, qd)
-            self.fused.down_combine(y, wd, g, ids, w, qd, mm._int8(qd), step, numba.get_num_threads())
+            bd = self.fused.expert_bias(bd, wd.shape[0], D)
+            self.fused.down_combine(y, wd, g, ids, w, bd, qd, mm._int8(qd), step, numba.get_num_threads())
             return y
         u = np.empty((P, 1, F), np.float32)
         self._product(g, wg, x, ids, qg, bg)

@@ -6,10 +6,11 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
 
   products      2-3 MUL_MAT of one input, weights of one type (q, k, v)          T = 1
   glu           MUL_MAT gate, MUL_MAT up (one input), GLU of the two              T = 1
-  glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), GLU          T <= 8
-                (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e. -fmoe 1); or,
-                merged (-muge), MUL_MAT_ID gate_up, GLU of its two halves
-  down_combine  MUL_MAT_ID down, MOE_COMBINE of its output                       T <= 8
+  glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), [ADD_BIAS_ID   T <= 8
+                of each], GLU (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e.
+                -fmoe 1); or, merged (-muge), MUL_MAT_ID gate_up, [ADD_BIAS_ID], GLU of
+                its two halves
+  down_combine  MUL_MAT_ID down, [ADD_BIAS_ID], MOE_COMBINE of its output         T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
   product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, [ADD_BIAS], TOPK_MOE     T = 1
@@ -19,6 +20,10 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
                 ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU)
   ffn_block     a dense layer's FFN half: RMS_NORM, gate, up, GLU, down,            T = 1
                 [post norm], residual ADD (CPU)
+  moe_block     a MoE layer's FFN half: RMS_NORM, router, [ADD_BIAS], TOPK_MOE,     T = 1
+                the glu_id and down_combine nodes, [post norm], residual ADD (CPU)
+The experts' biases (ADD_BIAS_ID, gpt-oss) are members of their product's group: its kernel
+adds the chosen expert's bias rows (gate / up before the GLU, down before the weighted sum).
 
 Products need weights on their backend (cause `wgt`; or `zc`: RAM that the GPU reads in
 place) on the matrix-vector path the fused kernels share (`vec_ok(node)`; on the GPU, with
@@ -41,12 +46,14 @@ BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 # listed as False so that --explain names it.
 FUSED_SUPPORT = {
     "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
-            "ADD_BIAS": lambda n: False, "ADD_BIAS_ID": lambda n: False,
+            "ADD_BIAS": lambda n: n.weight.endswith("ffn_gate_inp.bias"),    # in moe_block
+            "ADD_BIAS_ID": lambda n: True,     # in glu_id, down_combine, moe_block
             "SIGMOID_MUL": lambda n: False},
     "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
              "TOPK_MOE": lambda n: n.params.get("groups", (0, 0))[0] <= 32,
              "ADD_BIAS": lambda n: n.weight.endswith("ffn_gate_inp.bias"),   # in norm_route
-             "ADD_BIAS_ID": lambda n: False, "SIGMOID_MUL": lambda n: False},
+             "ADD_BIAS_ID": lambda n: True,    # in glu_id, down_combine[_add]
+             "SIGMOID_MUL": lambda n: False},
 }
 
 
@@ -85,8 +92,23 @@ def unfused(nodes, backend):
 
 
 def _product(node, op, backend, vec_ok):
-    return (node.op == op and node.backend == backend and node.cause in ("wgt", "zc")
-            and vec_ok(node))
+    return (node is not None and node.op == op and node.backend == backend
+            and node.cause in ("wgt", "zc") and vec_ok(node))
+
+
+def _with_biases(nodes, j, prods):
+    """prods followed by the ADD_BIAS_ID nodes from nodes[j] on that add an expert bias to one
+    of their outputs in place (with their ids), each at most once."""
+    run, left = list(prods), {p.out: p for p in prods}
+    while j < len(nodes) and left:
+        n = nodes[j]
+        p = left.get(n.srcs[0]) if n.op == "ADD_BIAS_ID" else None
+        if p is None or n.backend != p.backend or n.srcs != (p.out, p.srcs[1]) or n.out != p.out:
+            break
+        run.append(n)
+        del left[p.out]
+        j += 1
+    return run
 
 
 def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=None):
@@ -113,16 +135,20 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             and all(n.backend == backend for n in (n1, route) + ((bias,) if bias else ()))
             and route_ok(n0, n1, route)):
         return "norm_route", [n0, n1] + ([bias] if bias else []) + [route]
-    # gate, up, GLU (dense or experts)
-    for op, kind, ok_t in (("MUL_MAT", "glu", T == 1), ("MUL_MAT_ID", "glu_id", T <= max_t)):
-        if (ok_t and n2 is not None and _product(n0, op, backend, vec_ok) and twin(n0, n1, op)
-                and (op == "MUL_MAT" or n0.params.get("fused_op") == "MUL_MAT_ID_GLU")
-                and n2.op == "GLU" and n2.backend == backend and n2.srcs == (n0.out, n1.out)):
-            return kind, [n0, n1, n2]
-    if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, vec_ok)
-            and n0.params.get("fused_op") == "MUL_MAT_ID_GLU" and n1.op == "GLU"
-            and n1.backend == backend and n1.srcs == (n0.out,)):
-        return "glu_id", [n0, n1]              # merged gate / up (-muge)
+    # gate, up, GLU (dense)
+    if (T == 1 and n2 is not None and _product(n0, "MUL_MAT", backend, vec_ok)
+            and twin(n0, n1, "MUL_MAT") and n2.op == "GLU" and n2.backend == backend
+            and n2.srcs == (n0.out, n1.out)):
+        return "glu", [n0, n1, n2]
+    # the experts' gate and up (or a merged gate_up, -muge), [their biases], GLU
+    if (T <= max_t and _product(n0, "MUL_MAT_ID", backend, vec_ok)
+            and n0.params.get("fused_op") == "MUL_MAT_ID_GLU"):
+        prods = [n0, n1] if twin(n0, n1, "MUL_MAT_ID") else [n0]
+        run = _with_biases(nodes, i + len(prods), prods)
+        glu = at(len(run))
+        if (glu is not None and glu.op == "GLU" and glu.backend == backend
+                and glu.srcs == tuple(p.out for p in prods)):
+            return "glu_id", run + [glu]
     # products of one input
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
         run = [n0]
@@ -130,12 +156,15 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             run.append(at(len(run)))
         if len(run) >= 2:
             return "products", run
-    # expert down product and the weighted sum [and the residual add]
-    if (T <= max_t and n1 is not None and _product(n0, "MUL_MAT_ID", backend, vec_ok)
-            and n1.op == "MOE_COMBINE" and n1.backend == backend and n1.srcs[0] == n0.out):
-        if "down_combine_add" in kinds and residual_add(n2, n1.out):
-            return "down_combine_add", [n0, n1, n2]
-        return "down_combine", [n0, n1]
+    # expert down product [and its bias], the weighted sum [and the residual add]
+    if T <= max_t and _product(n0, "MUL_MAT_ID", backend, vec_ok):
+        run = _with_biases(nodes, i + 1, [n0])
+        comb, nxt = at(len(run)), at(len(run) + 1)
+        if (comb is not None and comb.op == "MOE_COMBINE" and comb.backend == backend
+                and comb.srcs[0] == n0.out):
+            if "down_combine_add" in kinds and residual_add(nxt, comb.out):
+                return "down_combine_add", run + [comb, nxt]
+            return "down_combine", run + [comb]
     # a product added to the residual stream (attention output, dense FFN down)
     if ("product_add" in kinds and T <= max_t and _product(n0, "MUL_MAT", backend, vec_ok)
             and residual_add(n1, n0.out)):
@@ -169,7 +198,7 @@ def _match_rope_attn(nodes, i, backend):
 
 def _match_block(nodes, i, backend, vec_ok, wtype):
     """attn_block or ffn_block starting at nodes[i] (forward.py's layer, node for node), or None."""
-    run = nodes[i:i + 14]
+    run = nodes[i:i + 16]
     if (not run or run[0].op != "RMS_NORM" or run[0].backend != backend
             or "src_rows" in run[0].params):
         return None
@@ -203,11 +232,21 @@ class _Walk:
 
     def norm_in_place(self, buf):
         """An optional RMS_NORM of buf into itself (qk norms, gemma's post norms)."""
+        return self.maybe("RMS_NORM", (buf,), buf)
+
+    def maybe(self, op, srcs, out):
+        """The next node if it is this optional one (an in-place norm or bias), else None
+        (the walk goes on)."""
         n = self.peek()
-        if n is not None and n.op == "RMS_NORM" and n.srcs == (buf,) and n.out == buf:
+        if n is not None and n.op == op and n.srcs == tuple(srcs) and n.out == out:
             self.i += 1
             return n
         return None
+
+    def expert_biases(self, prods):
+        """The optional ADD_BIAS_ID of each expert product in prods, in the graph's order."""
+        run = _with_biases(self.run, self.i, prods) if self.ok else prods
+        self.i += len(run) - len(prods)
 
 
 def _attn_block(run, product, wtype):
@@ -258,16 +297,22 @@ def _moe_block(run, product, wtype):
     norm = w.take("RMS_NORM")
     x, h = norm.srcs[0], norm.out
     router = w.take("MUL_MAT", (h,))
+    if w.ok:
+        w.maybe("ADD_BIAS", (router.out,), router.out)                   # the router's bias
     topk = w.take("TOPK_MOE", (router.out,)) if w.ok else None
     ids = topk.params["also_writes"][0] if w.ok else None
     gate = w.take("MUL_MAT_ID", (h, ids))
     nxt = w.peek()
-    if nxt is not None and nxt.op == "GLU" and nxt.srcs == (gate.out,):     # merged
-        up, glu = gate, w.take("GLU")
-    else:
-        up = w.take("MUL_MAT_ID", (h, ids))
+    if nxt is not None and nxt.op == "MUL_MAT_ID" and nxt.srcs == (h, ids):
+        up = w.take("MUL_MAT_ID")
+        w.expert_biases([gate, up])
         glu = w.take("GLU", (gate.out, up.out), gate.out) if w.ok else None
+    else:                                                                   # merged
+        w.expert_biases([gate] if w.ok else [])
+        up, glu = gate, w.take("GLU", (gate.out,) if w.ok else None)
     down = w.take("MUL_MAT_ID", (glu.out, ids)) if w.ok else None
+    if w.ok:
+        w.expert_biases([down])
     comb = w.take("MOE_COMBINE", (down.out, topk.out)) if w.ok else None
     if (not w.ok or not product(router) or not all(product(p, "MUL_MAT_ID") for p in (gate, up, down))
             or wtype(gate) != wtype(up) or "slots" in gate.params   # the kernel takes all slots
