@@ -130,9 +130,9 @@ class FusionBinders:
 
     def _biases(self, members, products):
         """The bias vector of each product among a group's members (an ADD_BIAS of its
-        output), or None."""
+        output), or the empty array (none), looked up once, at binding."""
         by_out = {n.srcs[0]: n for n in members if n.op == "ADD_BIAS"}
-        return [self.vector(by_out[p.out].weight) if p.out in by_out else None for p in products]
+        return [self.vector(by_out[p.out].weight) if p.out in by_out else self.empty() for p in products]
 
     def _bind_products(self, members, buf, state):
         products = [n for n in members if n.op == "MUL_MAT"]      # [with their ADD_BIAS]

@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, or_empty, warp_sum
+from . import device_fn, device_id, empty, or_empty, warp_sum
 from .matmul import MMV_WARPS, _split_k, dot8, pair_row, quantizes_x
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .moe import MAX_GROUPS, experts_per_lane, route_args, topk_warp_fn
@@ -94,7 +94,7 @@ def products_q8(outs, ws, xq, xds, qtype, K, stream=0, biases=None):
     type (x in 8 bits); biases: None, or one per weight (None or size 0 where it has none)."""
     T = outs[0].shape[0]
     Ms = [w.shape[0] for w in ws]
-    bs = [or_empty(b) for b in (biases or [None] * len(ws))]
+    bs = [or_empty(b) for b in biases] if biases is not None else [empty()] * len(ws)
     if any(b.shape[0] not in (0, M) for b, M in zip(bs, Ms)):
         raise ValueError(f"products_q8: biases {[b.shape for b in bs]} for weights of {Ms} rows")
     if len(ws) == 2:

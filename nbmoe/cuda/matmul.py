@@ -354,17 +354,17 @@ def _rb_k(w, qtype):
 def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=None):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device.
     x_ready: x is the one the previous product quantized (see quantizes_x).
-    accumulate: out += the product instead; bias [M]: the product + bias (the o projection's
-    bias, then the residual add); both for matrix-vector products only, T <= MMV_MAX_T."""
+    accumulate: out += the product instead; bias [M] (None or size 0: none): the product +
+    bias (the o projection's bias, then the residual add); both for matrix-vector products
+    only, T <= MMV_MAX_T."""
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
         return
-    if (accumulate or bias is not None) and T > MMV_MAX_T:
+    if T > MMV_MAX_T and (accumulate or (bias is not None and bias.shape[0] > 0)):
         raise ValueError("mul_mat: accumulate and bias are for matrix-vector products (T <= MMV_MAX_T)")
-    if bias is not None and bias.shape != (M,):
+    if bias is not None and bias.shape[0] not in (0, M):
         raise ValueError(f"mul_mat: bias {bias.shape} for {M} rows")
-    bias = or_empty(bias)
     if T > MMV_MAX_T and MMA and _int8(qtype, K):
         _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
         return
@@ -378,6 +378,7 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=No
     S = _split_k(M, K)
     rpb = MMV_WARPS // S        # rows a block
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
+    bias = or_empty(bias)
     if _int8(qtype, K):
         xq, xds = quantize_x(x, T, K, stream, x_ready)
         _mmv_q8_kernel(qtype, nt, S, chunks_in_flight(qtype, K, S), accumulate)[grid, (32, MMV_WARPS), stream](
