@@ -444,7 +444,7 @@ def test_attn_block_sinks():
     rows = np.array([H * Dh, Hkv * Dh, Hkv * Dh], np.int64)
     i8 = matmul._int8(QT)
     steps = (matmul.item_rows(rows.sum(), wq.shape[1], 1, QT),) * 3 + (matmul.item_rows(D, wo.shape[1], 1, QT),)
-    blocks.attn_block(x, *bufs, pos, pos0, eps, (nw, NO_NORM, NO_NORM, NO_NORM), wq, wk, wv, wo,
+    blocks.attn_block(x, *bufs, pos, pos0, eps, (nw, NO_NORM, NO_NORM, NO_NORM), (matmul.NO_BIAS,) * 4, wq, wk, wv, wo,
                       (QT,) * 4, (i8,) * 4, steps, rows, rope_p, True, kb, vb, scale, 0, sinks)
     assert max_rel(x, want) < 1e-6
     assert np.array_equal(kb, kc)

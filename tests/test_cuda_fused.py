@@ -125,9 +125,9 @@ def test_rope_attention_equals_the_two_launches(T, pos0, window, neox, n_rot, no
 
 
 def test_products_accumulate_into_the_residual(small, monkeypatch):
-    """out += W x (mul_mat accumulate: the o projection onto the residual stream, split-K and
-    not) and x += the experts' weighted sum (down_combine_q8 accumulate): equal to the product
-    followed by an add, bit for bit."""
+    """out += W x [+ b] (mul_mat accumulate [with a bias]: the o projection onto the residual
+    stream, split-K and not) and x += the experts' weighted sum (down_combine_q8 accumulate):
+    equal to the product followed by [the bias's add and] an add, bit for bit."""
     from nbmoe.cuda import fused
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     for M, K, name in ((7, 64, "Q8_0"), (3, 1024, "Q4_0"), (5, 61, "F16")):
@@ -137,6 +137,9 @@ def test_products_accumulate_into_the_residual(small, monkeypatch):
         matmul.mul_mat(y, dev(w), x, int(Q[name]))
         matmul.mul_mat(acc, dev(w), x, int(Q[name]), accumulate=True)
         assert np.array_equal(acc.copy_to_host(), res + y.copy_to_host()), name
+        b, acc = rnd(M, seed=5), dev(res)
+        matmul.mul_mat(acc, dev(w), x, int(Q[name]), accumulate=True, bias=dev(b))
+        assert np.array_equal(acc.copy_to_host(), res + (y.copy_to_host() + b)), name
     E, M, K, A = 3, 5, 64, 2
     w, _ = quantize(rnd(E, M, K, seed=1), "Q4_0")
     ids, wts, xa = dev(np.array([[2, 0]], np.int32)), dev(np.array([[0.6, 0.4]], np.float32)), dev(rnd(1, A, K, seed=2))

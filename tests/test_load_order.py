@@ -13,7 +13,7 @@ import numpy as np, nbmoe
 from nbmoe.cpu import matmul
 from nbmoe.cpu.quants_k import Q4_K
 matmul._products((np.zeros((1, 1), np.float32),) * 3, (np.zeros((1, 144), np.uint8),) * 3,
-                 np.ones((1, 256), np.float32), Q4_K, True, 1, np.array([1, 0, 0]))
+                 np.ones((1, 256), np.float32), Q4_K, True, 1, np.array([1, 0, 0]), (matmul.NO_BIAS,) * 3)
 """
 
 PRELOAD = """

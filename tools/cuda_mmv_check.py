@@ -206,7 +206,7 @@ def make_cases(rng, reps, tiny=False):
             old_kernels(Q8_0, S)[0][grid, (32, matmul.MMV_WARPS), stream](out, ws[i % len(ws)], xq, xds, wo.shape[1], Ko)
         else:
             matmul._mmv_q8_kernel(Q8_0, 1, S, mmv_q8.chunks_in_flight(Q8_0, Ko, S))[
-                grid, (32, matmul.MMV_WARPS), stream](out, ws[i % len(ws)], xq, xds, wo.shape[1], Ko)
+                grid, (32, matmul.MMV_WARPS), stream](out, ws[i % len(ws)], xq, xds, nbmoe.cuda.empty(), wo.shape[1], Ko)
 
     def check_mmv(old):
         launch_mmv(0, 0, old)

@@ -313,14 +313,22 @@ class CPUBackend(Backend):
         return _labelled(lambda: fused.glu_halves(out, gu, act), "GLU")
 
     # -- fused groups (cpu/fused.py) ---------------------------------------------------------
+    def _biases(self, members, products):
+        """The bias of each product among a group's members (an ADD_BIAS of its output) as
+        matmul._products takes it: a writeable float32 copy, or matmul.NO_BIAS."""
+        by_out = {n.srcs[0]: n for n in members if n.op == "ADD_BIAS"}
+        return tuple(np.array(self.vector(by_out[p.out].weight), np.float32)
+                     if p.out in by_out else self.mm.NO_BIAS for p in products)
+
     def _bind_products(self, members, buf, state):
-        ops = [self.mul_mat_operands(n, buf) for n in members]
+        products = [n for n in members if n.op == "MUL_MAT"]      # [with their ADD_BIAS]
+        ops = [self.mul_mat_operands(n, buf) for n in products]
         outs, ws = [o[0] for o in ops], [o[1] for o in ops]
         x, qtype, mm, fused = ops[0][2], ops[0][3], self.mm, self.fused
         step = mm.item_rows(sum(w.shape[0] for w in ws), ws[0].shape[1], x.shape[0], qtype)
-        int8 = mm._int8(qtype)
+        int8, biases = mm._int8(qtype), self._biases(members, products)
         return [None] * (len(members) - 1) + [
-            _labelled(fused.products_step(outs, ws, x, qtype, int8, step), "MUL_MAT")]
+            _labelled(fused.products_step(outs, ws, x, qtype, int8, step, biases), "MUL_MAT")]
 
     def _bind_glu(self, members, buf, state):
         gate, up, glu = members
@@ -368,11 +376,11 @@ class CPUBackend(Backend):
         return tuple(self.vector(n.weight) if n is not None else _NO_NORM for n in nodes)
 
     def _bind_attn_block(self, members, buf, state):
-        norm, q, k, v = members[:4]
+        norm, products = members[0], [n for n in members if n.op == "MUL_MAT"]
+        q, k, v, o = products
         att = next(n for n in members if n.op == "ATTN")
         rope = next(n for n in members if n.op == "ROPE")
-        o = members[members.index(att) + 1]
-        qk_norms = members[4:members.index(rope)]
+        qk_norms = [n for n in members[1:members.index(rope)] if n.op == "RMS_NORM"]
         post = members[-2] if members[-2].op == "RMS_NORM" else None
         same_v = self.weight(v.weight)[1] == self.weight(q.weight)[1]
         rows = [self.weight(n.weight)[0].shape[0] for n in (q, k, v)]
@@ -392,8 +400,9 @@ class CPUBackend(Backend):
         eps, scale, window, blocks = norm.params["eps"], att.params["scale"], att.params["window"], self.blocks
         sinks = self.sinks(att) if self.sinks(att) is not None else self.empty()
         self.use_flash(1, bq.shape[-1])         # one token: the decode kernel (recorded for --explain)
+        biases = self._biases(members, products)
         step = _labelled(lambda: blocks.attn_block(
-            x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, *ws, qtypes, int8s, steps,
+            x, h, bq, bk, bv, ba, bo, pos, state.pos0, eps, norms, biases, *ws, qtypes, int8s, steps,
             rows, rope_p, neox, state.kv.k[layer], state.kv.v[layer], scale, window, sinks), "ATTN_BLOCK")
         # parallel regions, counted by tools/tg_overhead.py: q/k/v, [v], [o] (mat_vec: one item
         # runs without a region)

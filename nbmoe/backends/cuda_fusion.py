@@ -128,15 +128,23 @@ class FusionBinders:
         ready, x8 = self._x_ready(node, buf, qtype, rows, K), self.x8
         return lambda: x8.quantize_x(x, rows, K, ready=ready)
 
+    def _biases(self, members, products):
+        """The bias vector of each product among a group's members (an ADD_BIAS of its
+        output), or the empty array (none), looked up once, at binding."""
+        by_out = {n.srcs[0]: n for n in members if n.op == "ADD_BIAS"}
+        return [self.vector(by_out[p.out].weight) if p.out in by_out else self.empty() for p in products]
+
     def _bind_products(self, members, buf, state):
-        ops = [self.mul_mat_operands(n, buf) for n in members]
+        products = [n for n in members if n.op == "MUL_MAT"]      # [with their ADD_BIAS]
+        ops = [self.mul_mat_operands(n, buf) for n in products]
         outs, ws = [o[0] for o in ops], [o[1] for o in ops]
         x, qtype = ops[0][2], ops[0][3]
         x8, fused, K = self._x8(members[0], buf, qtype, x), self.fused, x.shape[1]
+        biases = self._biases(members, products)
 
         def run():
             xq, xds = x8()
-            fused.products_q8(outs, ws, xq, xds, qtype, K)
+            fused.products_q8(outs, ws, xq, xds, qtype, K, biases=biases)
         return [None] * (len(members) - 1) + [_labelled(run, "MUL_MAT")]
 
     def _bind_glu(self, members, buf, state):
@@ -185,14 +193,16 @@ class FusionBinders:
     _bind_down_combine_add = _bind_down_combine
 
     def _bind_product_add(self, members, buf, state):
-        """x += x_in @ W^T: the product accumulates into the residual stream (no ADD launch)."""
-        product, add = members
+        """x += x_in @ W^T [+ b]: the product accumulates into the residual stream (no ADD_BIAS
+        or ADD launch)."""
+        product, add = members[0], members[-1]
         _, w, x, qtype = self.mul_mat_operands(product, buf)
-        out, mm = _rows2d(buf[add.out]), self.mm
+        out, mm, bias = _rows2d(buf[add.out]), self.mm, self._biases(members, [product])[0]
         ready = self._x_ready(product, buf, qtype, x.shape[0], x.shape[1])
         self._last = None
-        return [None, _labelled(lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready, accumulate=True),
-                                "MUL_MAT+ADD")]
+        return [None] * (len(members) - 1) + [_labelled(
+            lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready, accumulate=True, bias=bias),
+            "MUL_MAT+ADD")]
 
     def route_ok(self, norm, router, topk):
         if router.weight not in self.resident:

@@ -33,28 +33,38 @@ def _norm_if(x, w, eps):
         ops.rms_norm(x, x, w, eps)
 
 
+@njit(cache=True, error_model="numpy")
+def _bias_if(x, b):
+    """x [1, M] += b in place (ops.add_bias), unless b is empty (the product has no bias)."""
+    if b.shape[0] > 0:
+        ops.add_bias(x, x, b)
+
+
 def _attn_block_kernel(qtypes, int8s):
-    """x [1, D] += post_norm(attn(rope(norm(q)), rope(norm(k)), v) @ Wo^T), with
-    q, k, v = attn_norm(x) @ Wq^T, Wk^T, Wv^T.
+    """x [1, D] += post_norm(attn(rope(norm(q)), rope(norm(k)), v) @ Wo^T + bo), with
+    q, k, v = attn_norm(x) @ Wq^T + bq, Wk^T + bk, Wv^T + bv.
 
     h [1, D], q / att [1, H, Dh], k / v [1, Hkv, Dh], o [1, D]: the graph's buffers.
-    norms = (attn_norm, q_norm, k_norm, post_attention_norm); qtypes, int8s, steps: per
-    product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has another type than q
-    and k, and then runs on its own); rope_p = (freqs [n_rot/2] float64, mscale); sinks [H]
-    attention sinks or a size-0 array (none).
+    norms = (attn_norm, q_norm, k_norm, post_attention_norm); biases = (bq, bk, bv, bo),
+    writeable float32 (matmul._products' type), size 0 where a product has none; qtypes,
+    int8s, steps: per product q, k, v, o; rows [3] = rows of q, k, v (v's 0 when v has
+    another type than q and k, and then runs on its own); rope_p = (freqs [n_rot/2] float64,
+    mscale); sinks [H] attention sinks or a size-0 array (none).
     """
     qt_qk, qt_v, qt_o = qtypes[0], qtypes[2], qtypes[3]
     i8_qk, i8_v, i8_o = int8s[0], int8s[2], int8s[3]
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, wo, steps, rows,
-                   rope_p, neox, kc, vc, scale, window, sinks):
+    def attn_block(x, h, q, k, v, att, o, pos, pos0, eps, norms, biases, wq, wk, wv, wo, steps,
+                   rows, rope_p, neox, kc, vc, scale, window, sinks):
         attn_norm, q_norm, k_norm, post_norm = norms
+        bq, bk, bv, bo = biases
         ops.rms_norm(h, x, attn_norm, eps)                               # [1, D]
         q2, k2, v2 = q.reshape(1, q.size), k.reshape(1, k.size), v.reshape(1, v.size)
-        _products((q2, k2, v2), (wq, wk, wv), h, qt_qk, i8_qk, steps[0], rows)
+        _products((q2, k2, v2), (wq, wk, wv), h, qt_qk, i8_qk, steps[0], rows, (bq, bk, bv))
         if rows[2] == 0:     # v of another type: its own product
             mat_vec(v2, wv, h, qt_v, i8_v, steps[2])
+            _bias_if(v2, bv)
         _norm_if(q, q_norm, eps)                                         # per head [1, H, Dh]
         _norm_if(k, k_norm, eps)
         freqs, mscale = rope_p
@@ -63,13 +73,14 @@ def _attn_block_kernel(qtypes, int8s):
         attn.store_kv(kc, vc, k, v, pos0)
         attn.decode_attention(att, q, kc, vc, pos0, scale, window, sinks)  # [1, H, Dh]
         mat_vec(o, wo, att.reshape(1, att.size), qt_o, i8_o, steps[3])   # [1, D]
+        _bias_if(o, bo)
         _norm_if(o, post_norm, eps)
         ops.add(x, x, o)
     return attn_block
 
 
-attn_block = entry(_attn_block_kernel, "x, h, q, k, v, att, o, pos, pos0, eps, norms, wq, wk, wv, "
-                   "wo, qtypes, int8s, steps, rows, rope_p, neox, kc, vc, scale, window, sinks")
+attn_block = entry(_attn_block_kernel, "x, h, q, k, v, att, o, pos, pos0, eps, norms, biases, wq, "
+                   "wk, wv, wo, qtypes, int8s, steps, rows, rope_p, neox, kc, vc, scale, window, sinks")
 
 
 def _ffn_block_kernel(qtypes, int8s, act):

@@ -4,8 +4,8 @@ Each parallel region costs a fork and a join of the thread pool, and a decoding 
 down, combine), plus three for q, k, v. fusion.find_groups finds the same runs of nodes as
 for the GPU, and the CPU backend binds them to these (matrix-vector path, T < BLAS_MIN_T):
 
-  products      outs[j] = x @ W_j^T for 2-3 weights of one type, x prepared once; the
-                work items run over the rows of all of them
+  products      outs[j] = x @ W_j^T [+ b_j] for 2-3 weights of one type, x prepared once; the
+                work items run over the rows of all of them (q, k, v with their biases)
   glu           out = act(x @ Wg^T) * (x @ Wu^T): an item computes both row runs, then the GLU
   glu_id        the same for each (token, chosen expert) pair, grouped by expert as mul_mat_id;
                 the chosen expert's gate / up bias rows added before the GLU
@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, _add_bias_rows, _dot_rows,  # noqa: F401
+from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, NO_BIAS, _add_bias_rows, _dot_rows,  # noqa: F401
                      _glu_rows, _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
 from .ops import EMPTY, PAR_MIN_ELEMS
 from .specialize import ConstantArgs, build, entry
@@ -32,21 +32,23 @@ from .work_queue import new_queue, next_item
 
 
 # ---------------------------------------------------------------- products
-# matmul._products: ws, outs tuples of 3 (a run of two repeats the second with 0 rows).
+# matmul._products: ws, outs, biases tuples of 3 (a run of two repeats the second with 0 rows).
 
-def products(outs, ws, x, qtype, int8, step):
-    """outs[j] [T, M_j] = x [T, K] @ dequant(ws[j])^T for 2 or 3 weights of one type."""
-    products_step(outs, ws, x, qtype, int8, step)()
+def products(outs, ws, x, qtype, int8, step, biases=None):
+    """outs[j] [T, M_j] = x [T, K] @ dequant(ws[j])^T [+ biases[j] [M_j]] for 2 or 3 weights of
+    one type; biases: None, or one per weight (matmul.NO_BIAS where it has none)."""
+    products_step(outs, ws, x, qtype, int8, step, biases)()
 
 
-def products_step(outs, ws, x, qtype, int8, step):
+def products_step(outs, ws, x, qtype, int8, step, biases=None):
     """products(...) as a plan's step: its tuples and row counts are made once, at binding."""
     rows = [w.shape[0] for w in ws]
+    bs = list(biases) if biases is not None else [NO_BIAS] * len(ws)
     if len(ws) == 2:
-        outs, ws, rows = (outs[0], outs[1], outs[1]), (ws[0], ws[1], ws[1]), rows + [0]
-    o, w, r = tuple(outs), tuple(ws), np.array(rows, np.int64)
+        outs, ws, rows, bs = (outs[0], outs[1], outs[1]), (ws[0], ws[1], ws[1]), rows + [0], bs + [bs[1]]
+    o, w, r, b = tuple(outs), tuple(ws), np.array(rows, np.int64), tuple(bs)
     kernel = build(_products_kernel, (int(qtype), bool(int8)))
-    return lambda: kernel(o, w, x, step, r)
+    return lambda: kernel(o, w, x, step, r, b)
 
 
 # ---------------------------------------------------------------- glu (dense)

@@ -256,14 +256,19 @@ def item_rows(M, row_bytes, n_tokens, qtype=None, per_thread=None):
     return max(unit, (rows + unit - 1) // unit * unit)
 
 
-# One parallel kernel for one weight and for fused.products' two or three (outs[j] = x @ W_j^T;
-# outs, ws tuples of 3, n_rows [3] the rows of each, 0 for an unused slot): each kernel that
-# holds the type dispatch (_dot_rows) costs tens of seconds of LLVM at a cold start, so one weight
-# goes through this kernel too (mat_vec) rather than a twin of its own.
+# One parallel kernel for one weight and for fused.products' two or three (outs[j] = x @ W_j^T
+# [+ biases[j]]; outs, ws, biases tuples of 3, n_rows [3] the rows of each, 0 for an unused
+# slot; a bias of size 0 is none): each kernel that holds the type dispatch (_dot_rows) costs
+# tens of seconds of LLVM at a cold start, so one weight goes through this kernel too (mat_vec)
+# rather than a twin of its own. The bias is added to the finished row as ops.add_bias adds it.
+# Biases are writeable float32 arrays (NO_BIAS, or a copy of the file's vector): the type that
+# np.empty(0, np.float32) has inside a kernel, so mat_vec's calls link the same compile.
+NO_BIAS = np.zeros(0, np.float32)
+
 
 def _products_kernel(qtype, int8):
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def products(outs, ws, x, step, n_rows):
+    def products(outs, ws, x, step, n_rows, biases):
         xsum, xi = _prepare_x(x, int8, qtype)
         n0 = (n_rows[0] + step - 1) // step
         n1 = (n_rows[1] + step - 1) // step
@@ -271,14 +276,19 @@ def _products_kernel(qtype, int8):
         for item in prange(n0 + n1 + n2):
             j = 0 if item < n0 else (1 if item < n0 + n1 else 2)
             i = item - (0 if j == 0 else (n0 if j == 1 else n0 + n1))
-            w, out = ws[j], outs[j]
+            w, out, b = ws[j], outs[j], biases[j]
             r0, r1 = i * step, min(n_rows[j], (i + 1) * step)
             for t in range(x.shape[0]):
-                _dot_rows(qtype, out[t, r0:r1], w[r0:r1], x, t, xsum, xi, int8)
+                o = out[t, r0:r1]
+                _dot_rows(qtype, o, w[r0:r1], x, t, xsum, xi, int8)
+                if b.shape[0] > 0:
+                    for r in range(r1 - r0):
+                        o[r] += b[r0 + r]
     return products
 
 
-_products = entry(_products_kernel, "outs, ws, x, qtype, int8, step, n_rows")
+_products = entry(_products_kernel, "outs, ws, x, qtype, int8, step, n_rows, biases")
+_NO_BIASES = (NO_BIAS,) * 3
 
 
 @njit(cache=True, error_model="numpy")
@@ -310,7 +320,9 @@ def _mat_vec_kernel(qtype, int8):
         if step >= w.shape[0]:
             _mul_mat_vec_seq(out, w, x, qtype, int8)
         else:
-            _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]))
+            nb = np.empty(0, np.float32)
+            _products((out, out, out), (w, w, w), x, qtype, int8, step, _one_weight(w.shape[0]),
+                      (nb, nb, nb))
     return mat_vec
 
 
@@ -372,7 +384,7 @@ def _mat_vec_step(out, w, x, qtype):
         seq = build(_mul_mat_vec_seq_kernel, (qtype, int8))
         return lambda: seq(out, w, x)
     products, outs, ws, rows = build(_products_kernel, (qtype, int8)), (out,) * 3, (w,) * 3, _one_weight(w.shape[0])
-    return lambda: products(outs, ws, x, step, rows)
+    return lambda: products(outs, ws, x, step, rows, _NO_BIASES)
 
 
 def mul_mat(out, w, x, qtype):

@@ -5,8 +5,9 @@ replayed as a CUDA graph each costs a few microseconds. backend_cuda.find_groups
 runs of nodes in a plan and binds each run to one of the kernels below, which compute the same
 values in the same order as the separate kernels (bit-identical results; tests check that):
 
-  products_q8      q, k, v = x @ Wq^T, x @ Wk^T, x @ Wv^T: one matrix-vector launch over the
-                   rows of up to three weights of one type sharing the 8-bit x
+  products_q8      q, k, v = x @ Wq^T [+ bq], x @ Wk^T [+ bk], x @ Wv^T [+ bv]: one
+                   matrix-vector launch over the rows of up to three weights of one type
+                   sharing the 8-bit x, each row's bias added to its dot
   glu_q8           act(x @ Wgate^T) * (x @ Wup^T): both rows dotted by one warp, the GLU
                    applied before the write (dense FFN)
   glu_id_q8        the same per (token, chosen expert) pair (MoE FFN gate / up / GLU), the
@@ -30,7 +31,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import device_fn, device_id, or_empty, warp_sum
+from . import device_fn, device_id, empty, or_empty, warp_sum
 from .matmul import MMV_WARPS, _split_k, dot8, pair_row, quantizes_x
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .moe import MAX_GROUPS, experts_per_lane, route_args, topk_warp_fn
@@ -59,46 +60,51 @@ def _check_act(act):
 
 # ---------------------------------------------------------------- products_q8
 # Rows r of the concatenation [W0; W1; W2] (M0 + M1 + M2 rows, one type, one K): row r < M0 is
-# row r of W0 into out0, and so on. Grid (ceil((M0 + M1 + M2) / warps), T): block row y = token.
-# Up to three weights: q, k, v (a run of two passes W1 again with M2 = 0). One token (T = 1):
-# matmul's kernel shares each weight load among up to 8 tokens, this one does not.
+# row r of W0 into out0 (+ b0[r], as ops.add_bias after it; b0 of size 0: no bias), and so on.
+# Grid (ceil((M0 + M1 + M2) / warps), T): block row y = token. Up to three weights: q, k, v (a
+# run of two passes W1 again with M2 = 0). One token (T = 1): matmul's kernel shares each
+# weight load among up to 8 tokens, this one does not.
 
 def _products_kernel(qtype, V):
     row_dot = row_dot_fn(qtype, V)
 
     def build():
         @cuda.jit
-        def products_q8_kernel(out0, out1, out2, w0, w1, w2, xq, xds, M0, M1, M2, RB, K):
+        def products_q8_kernel(out0, out1, out2, w0, w1, w2, b0, b1, b2, xq, xds, M0, M1, M2, RB, K):
             lane = cuda.threadIdx.x
             r = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
             t = cuda.blockIdx.y
             rr = min(r, M0 + M1 + M2 - 1)
-            w, out, rw = w0, out0, rr
+            w, out, b, rw = w0, out0, b0, rr
             if rr >= M0 + M1:
-                w, out, rw = w2, out2, rr - M0 - M1
+                w, out, b, rw = w2, out2, b2, rr - M0 - M1
             elif rr >= M0:
-                w, out, rw = w1, out1, rr - M0
+                w, out, b, rw = w1, out1, b1, rr - M0
             acc = cuda.local.array(1, f32)
             isum = cuda.local.array(1, i32)
             acc[0] = f32(0.0)
             row_dot(acc, isum, w, w, rw * RB, xq, xds, t, t, K, lane, 0)
             tot = warp_sum(acc[0])
             if lane == 0 and r < M0 + M1 + M2:
-                out[t, rw] = tot
+                out[t, rw] = tot + b[rw] if b.shape[0] > 0 else tot
         return products_q8_kernel
     return cached(("products_q8", int(qtype), V, chunk_units(qtype)), build)
 
 
-def products_q8(outs, ws, xq, xds, qtype, K, stream=0):
-    """outs[j] [T, M_j] = x @ dequant(ws[j])^T for 2 or 3 weights of one type (x in 8 bits)."""
+def products_q8(outs, ws, xq, xds, qtype, K, stream=0, biases=None):
+    """outs[j] [T, M_j] = x @ dequant(ws[j])^T [+ biases[j] [M_j]] for 2 or 3 weights of one
+    type (x in 8 bits); biases: None, or one per weight (None or size 0 where it has none)."""
     T = outs[0].shape[0]
     Ms = [w.shape[0] for w in ws]
+    bs = [or_empty(b) for b in biases] if biases is not None else [empty()] * len(ws)
+    if any(b.shape[0] not in (0, M) for b, M in zip(bs, Ms)):
+        raise ValueError(f"products_q8: biases {[b.shape for b in bs]} for weights of {Ms} rows")
     if len(ws) == 2:
-        outs, ws, Ms = list(outs) + [outs[1]], list(ws) + [ws[1]], Ms + [0]
+        outs, ws, Ms, bs = list(outs) + [outs[1]], list(ws) + [ws[1]], Ms + [0], bs + [bs[1]]
     rows = sum(Ms)
     _products_kernel(qtype, chunks_in_flight(qtype, K))[((rows + MMV_WARPS - 1) // MMV_WARPS, T), (32, MMV_WARPS), stream](
-        outs[0], outs[1], outs[2], ws[0], ws[1], ws[2], xq, xds, Ms[0], Ms[1], Ms[2],
-        ws[0].shape[1], K)
+        outs[0], outs[1], outs[2], ws[0], ws[1], ws[2], bs[0], bs[1], bs[2], xq, xds, Ms[0], Ms[1],
+        Ms[2], ws[0].shape[1], K)
 
 
 # ---------------------------------------------------------------- glu_q8, glu_id_q8

@@ -31,7 +31,7 @@ Kernels are built per (type, sizes) by small factories, compiled on first use an
 import numpy as np
 from numba import cuda
 
-from . import SIM, device_fn, ld_f32, warp_sum
+from . import SIM, device_fn, ld_f32, or_empty, warp_sum
 from . import matmul_mma as _mma
 from .matmul_tiled import group_by_expert, tiled_kernel
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
@@ -97,7 +97,7 @@ def _mmv_kernel(qtype, NT, S=1, ACC=False):
 
     def build():
         @cuda.jit
-        def mul_mat_vec_kernel(out, w, x, RB, K):
+        def mul_mat_vec_kernel(out, w, x, bias, RB, K):
             M, T = out.shape[1], out.shape[0]
             lane = cuda.threadIdx.x
             wy = cuda.threadIdx.y
@@ -119,7 +119,7 @@ def _mmv_kernel(qtype, NT, S=1, ACC=False):
                 for j in range(NT):
                     xb = min(t0 + j, T - 1) * K * 4
                     acc[j] += dot8(v0, v1, v2, v3, v4, v5, v6, v7, x, xb, i0, i1, K, tail)
-            write_rows(out, acc, res, r, t0, T, M, lane, wy, sl)
+            write_rows(out, acc, res, bias, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_kernel
     return cached(("mmv", int(qtype), NT, S, ACC, MMV_WARPS), build)
 
@@ -141,15 +141,18 @@ _PARTS = (8, MMV_MAX_T)     # split-K partial sums a block: MMV_WARPS <= 8 (a mo
 
 def _write_rows_fn(S, NT, ACC=False):
     """The end of a matrix-vector kernel: warp sums of acc [NT], and with split-K (S warps a
-    row) the S partial sums added in slice order by the row's first warp. ACC: out += the
-    product (a residual add fused into the product: out is the residual stream, whose values
-    the kernel loaded into res [NT] before its dot products)."""
+    row) the S partial sums added in slice order by the row's first warp, then the row's
+    bias (bias [M], or size 0: none; as ops.add_bias after the product). ACC: out += that
+    (a residual add fused into the product: out is the residual stream, whose values the
+    kernel loaded into res [NT] before its dot products)."""
     @device_fn
-    def write_rows(out, acc, res, r, t0, T, M, lane, wy, sl):
+    def write_rows(out, acc, res, bias, r, t0, T, M, lane, wy, sl):
         if S == 1:
             for j in range(NT):
                 tot = warp_sum(acc[j])
                 if lane == 0 and r < M and t0 + j < T:
+                    if bias.shape[0] > 0:
+                        tot = tot + bias[r]
                     out[t0 + j, r] = tot + res[j] if ACC else tot
             return
         part = cuda.shared.array(_PARTS, f32)   # [warp, token]
@@ -164,6 +167,8 @@ def _write_rows_fn(S, NT, ACC=False):
                     tot = part[wy, j]
                     for q in range(1, S):
                         tot += part[wy + q, j]
+                    if bias.shape[0] > 0:
+                        tot = tot + bias[r]
                     out[t0 + j, r] = tot + res[j] if ACC else tot
     return write_rows
 
@@ -191,7 +196,7 @@ def _mmv_q8_kernel(qtype, NT, S, V, ACC=False):
 
     def build():
         @cuda.jit
-        def mul_mat_vec_q8_kernel(out, w, xq, xds, RB, K):
+        def mul_mat_vec_q8_kernel(out, w, xq, xds, bias, RB, K):
             M, T = out.shape[1], out.shape[0]
             lane = cuda.threadIdx.x
             wy = cuda.threadIdx.y
@@ -207,7 +212,7 @@ def _mmv_q8_kernel(qtype, NT, S, V, ACC=False):
                 if ACC:                                 # loaded early: off the critical path
                     res[j] = out[min(t0 + j, T - 1), min(r, M - 1)]
             row_dot(acc, isum, w, w, base, xq, xds, t0, T - 1, K, lane, sl)
-            write_rows(out, acc, res, r, t0, T, M, lane, wy, sl)
+            write_rows(out, acc, res, bias, r, t0, T, M, lane, wy, sl)
         return mul_mat_vec_q8_kernel
     return cached(("mmv_q8", int(qtype), NT, S, V, ACC, chunk_units(qtype), MMV_WARPS), build)
 
@@ -346,16 +351,20 @@ def _rb_k(w, qtype):
     return rb, rb // t.size * t.block
 
 
-def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
+def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=None):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device.
     x_ready: x is the one the previous product quantized (see quantizes_x).
-    accumulate: out += the product instead (matrix-vector products only, T <= MMV_MAX_T)."""
+    accumulate: out += the product instead; bias [M] (None or size 0: none): the product +
+    bias (the o projection's bias, then the residual add); both for matrix-vector products
+    only, T <= MMV_MAX_T."""
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
         return
-    if accumulate and T > MMV_MAX_T:
-        raise ValueError("mul_mat: accumulate is for matrix-vector products (T <= MMV_MAX_T)")
+    if T > MMV_MAX_T and (accumulate or (bias is not None and bias.shape[0] > 0)):
+        raise ValueError("mul_mat: accumulate and bias are for matrix-vector products (T <= MMV_MAX_T)")
+    if bias is not None and bias.shape[0] not in (0, M):
+        raise ValueError(f"mul_mat: bias {bias.shape} for {M} rows")
     if T > MMV_MAX_T and MMA and _int8(qtype, K):
         _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
         return
@@ -369,12 +378,13 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False):
     S = _split_k(M, K)
     rpb = MMV_WARPS // S        # rows a block
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
+    bias = or_empty(bias)
     if _int8(qtype, K):
         xq, xds = quantize_x(x, T, K, stream, x_ready)
         _mmv_q8_kernel(qtype, nt, S, chunks_in_flight(qtype, K, S), accumulate)[grid, (32, MMV_WARPS), stream](
-            out, w, xq, xds, RB, K)
+            out, w, xq, xds, bias, RB, K)
     else:
-        _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, RB, K)
+        _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, bias, RB, K)
 
 
 def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):

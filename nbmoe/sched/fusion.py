@@ -4,7 +4,8 @@ find_groups walks a plan's nodes (backends already assigned) and returns, per no
 group it belongs to: (kind, [nodes]). A group is a run of consecutive nodes on one GPU whose
 intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kernels):
 
-  products      2-3 MUL_MAT of one input, weights of one type (q, k, v)          T = 1
+  products      2-3 MUL_MAT of one input, weights of one type (q, k, v),         T = 1
+                each [ADD_BIAS of its output] (gpt-oss, glm4moe)
   glu           MUL_MAT gate, MUL_MAT up (one input), GLU of the two              T = 1
   glu_id        MUL_MAT_ID gate, MUL_MAT_ID up (one input, one ids), [ADD_BIAS_ID   T <= 8
                 of each], GLU (the op MUL_MAT_ID_GLU: only nodes marked fused_op, i.e.
@@ -12,12 +13,14 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
                 its two halves
   down_combine  MUL_MAT_ID down, [ADD_BIAS_ID], MOE_COMBINE of its output         T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
-  product_add   MUL_MAT, then the residual ADD x = x + its output (o, down)      T <= 8
+  product_add   MUL_MAT, [ADD_BIAS], then the residual ADD x = x + its output    T <= 8
+                (o, down)
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, [ADD_BIAS], TOPK_MOE     T = 1
                 (route_ok(norm, router, topk): the backend's kernel takes them)
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
   attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
-                ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU)
+                ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU); each
+                product [with its ADD_BIAS]
   ffn_block     a dense layer's FFN half: RMS_NORM, gate, up, GLU, down,            T = 1
                 [post norm], residual ADD (CPU)
   moe_block     a MoE layer's FFN half: RMS_NORM, router, [ADD_BIAS], TOPK_MOE,     T = 1
@@ -44,14 +47,24 @@ BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 # pass its op's test, else the group is not formed and its nodes run on the plain path (each
 # op's own kernel, which runs every variant). Ops not listed pass; an op no group takes is
 # listed as False so that --explain names it.
+# The biases of these products the groups above add themselves (products, product_add,
+# attn_block: q, k, v, o); the router's, norm_route's on CUDA.
+ATTN_BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+def _bias_of(node, roles):
+    """Whether an ADD_BIAS node adds the bias of one of these roles (blk.N.<role>.bias)."""
+    return node.weight.rsplit(".", 2)[-2] in roles
+
+
 FUSED_SUPPORT = {
     "CPU": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
-            "ADD_BIAS": lambda n: n.weight.endswith("ffn_gate_inp.bias"),    # in moe_block
+            "ADD_BIAS": lambda n: _bias_of(n, ATTN_BIASES + ("ffn_gate_inp",)),   # moe_block: router
             "ADD_BIAS_ID": lambda n: True,     # in glu_id, down_combine, moe_block
             "SIGMOID_MUL": lambda n: False},
     "CUDA": {"GLU": lambda n: n.params["act"] in ("silu", "gelu", "swiglu_oai"),
              "TOPK_MOE": lambda n: n.params.get("groups", (0, 0))[0] <= 32,
-             "ADD_BIAS": lambda n: n.weight.endswith("ffn_gate_inp.bias"),   # in norm_route
+             "ADD_BIAS": lambda n: _bias_of(n, ATTN_BIASES + ("ffn_gate_inp",)),   # norm_route: router
              "ADD_BIAS_ID": lambda n: True,    # in glu_id, down_combine[_add]
              "SIGMOID_MUL": lambda n: False},
 }
@@ -123,6 +136,10 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
         return (n is not None and n.op == "ADD" and n.backend == backend and len(n.srcs) == 2
                 and n.srcs[1] == y and n.out == n.srcs[0] != y)
 
+    def biased(j):            # [product at(j)] + [its ADD_BIAS, if next]
+        n = at(j + 1)
+        return [at(j)] + ([n] if n is not None and _adds_bias(n, at(j), backend) else [])
+
     n0, n1, n2 = at(0), at(1), at(2)
     if n0 is None or n0.backend != backend:
         return None
@@ -149,12 +166,12 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
         if (glu is not None and glu.op == "GLU" and glu.backend == backend
                 and glu.srcs == tuple(p.out for p in prods)):
             return "glu_id", run + [glu]
-    # products of one input
+    # products of one input, each [with its bias]
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
-        run = [n0]
-        while len(run) < 3 and twin(n0, at(len(run)), "MUL_MAT"):
-            run.append(at(len(run)))
-        if len(run) >= 2:
+        run, n = biased(0), 1
+        while n < 3 and twin(n0, at(len(run)), "MUL_MAT"):
+            run, n = run + biased(len(run)), n + 1
+        if n >= 2:
             return "products", run
     # expert down product [and its bias], the weighted sum [and the residual add]
     if T <= max_t and _product(n0, "MUL_MAT_ID", backend, vec_ok):
@@ -165,11 +182,18 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             if "down_combine_add" in kinds and residual_add(nxt, comb.out):
                 return "down_combine_add", run + [comb, nxt]
             return "down_combine", run + [comb]
-    # a product added to the residual stream (attention output, dense FFN down)
-    if ("product_add" in kinds and T <= max_t and _product(n0, "MUL_MAT", backend, vec_ok)
-            and residual_add(n1, n0.out)):
-        return "product_add", [n0, n1]
+    # a product [and its bias] added to the residual stream (attention output, dense FFN down)
+    if "product_add" in kinds and T <= max_t and _product(n0, "MUL_MAT", backend, vec_ok):
+        run = biased(0)
+        if residual_add(at(len(run)), n0.out):
+            return "product_add", run + [at(len(run))]
     return _match_rope_attn(nodes, i, backend)
+
+
+def _adds_bias(n, product, backend):
+    """n: ADD_BIAS of product's output into itself, on backend."""
+    return (n.op == "ADD_BIAS" and n.backend == backend and n.srcs == (product.out,)
+            and n.out == product.out)
 
 
 def _match_rope_attn(nodes, i, backend):
@@ -230,6 +254,14 @@ class _Walk:
         self.i += 1
         return n
 
+    def product(self, srcs):
+        """take("MUL_MAT", srcs), and its ADD_BIAS into its output if that comes next."""
+        p = self.take("MUL_MAT", srcs)
+        n = self.peek()
+        if p is not None and n is not None and _adds_bias(n, p, n.backend):
+            self.i += 1
+        return p
+
     def norm_in_place(self, buf):
         """An optional RMS_NORM of buf into itself (qk norms, gemma's post norms)."""
         return self.maybe("RMS_NORM", (buf,), buf)
@@ -250,12 +282,13 @@ class _Walk:
 
 
 def _attn_block(run, product, wtype):
-    """Nodes in an attn_block at the front of run (0 if none): RMS_NORM x -> h; q, k, v of h;
-    [RMS_NORM q, k]; ROPE q, k; ATTN; o of attn; [RMS_NORM o]; ADD x = x + o."""
+    """Nodes in an attn_block at the front of run (0 if none): RMS_NORM x -> h; q, k, v of h,
+    each [+ bias]; [RMS_NORM q, k]; ROPE q, k; ATTN; o of attn [+ bias]; [RMS_NORM o];
+    ADD x = x + o."""
     w = _Walk(run)
     norm = w.take("RMS_NORM")
     x, h = norm.srcs[0], norm.out
-    q, k, v = (w.take("MUL_MAT", (h,)) for _ in range(3))
+    q, k, v = (w.product((h,)) for _ in range(3))
     if not w.ok or not all(product(p) for p in (q, k, v)) or wtype(q) != wtype(k):
         return 0
     qn = w.norm_in_place(q.out)
@@ -265,7 +298,7 @@ def _attn_block(run, product, wtype):
     rq = w.take("ROPE", (q.out, "pos"), q.out)
     rk = w.take("ROPE", (k.out, "pos"), k.out)
     at = w.take("ATTN", (q.out, k.out, v.out, "pos"))
-    o = w.take("MUL_MAT", (at.out,)) if at else None
+    o = w.product((at.out,)) if at else None
     if not w.ok or not product(o) or rq.params != rk.params:
         return 0
     w.norm_in_place(o.out)
