@@ -28,11 +28,14 @@ ERRORS = {}   # test case -> max relative error, printed at the end
 
 @pytest.fixture(scope="module", autouse=True)
 def _simulator_speed():
-    """The simulator's block manager polls its threads in a busy loop: a short GIL switch
-    interval lets the simulated threads run (several times faster on 2 cores)."""
+    """The simulator's block manager polls its threads in a busy loop, which holds the GIL
+    for a whole switch interval (5 ms by default) while a simulated thread waits for it; at
+    1 ms the threads run sooner, and fewer forced switches than at 5 us leave more CPU to the
+    other test worker (test_cuda_ops.py, 2 cores beside other work: 29-33 s and 31-37 s of
+    CPU at 1 ms, 38-42 s and 50-56 s of CPU at 5 us)."""
     old = sys.getswitchinterval()
     if nbcuda.SIM:
-        sys.setswitchinterval(5e-6)
+        sys.setswitchinterval(1e-3)
     yield
     sys.setswitchinterval(old)
     if ERRORS:

@@ -54,11 +54,18 @@ def close(a, b, rel=2e-4):
     return np.abs(a - b).max() <= rel * np.abs(b).max()
 
 
+# The simulator's cost is per simulated thread (a warp a weight row): tests of the attention
+# side keep the FFN (norm, router, experts) on the CPU there, tests of the experts' side the
+# attention. Every layer's products all on the GPU: test_flash_attn_on_off_equal_cpu[off].
+FFN_ON_CPU = ["ffn_=CPU"] if cuda_setup.SIM else []
+ATTN_ON_CPU = ["attn_=CPU"] if cuda_setup.SIM else []
+
+
 def test_slots_on_the_gpu(whole):
     """Slots are views of each layer's one device array; the GPU's bound steps read the
-    active slot's at run time."""
+    active slot's at run time (the simulator: the attention side on the GPU)."""
     from test_api import interleaved
-    llm = load(whole, n_gpu_layers=99, n_slots=2)
+    llm = load(whole, n_gpu_layers=99, n_slots=2, override_tensors=FFN_ON_CPU)
     assert all(b == "CUDA0" for b in llm.kv.backends)
     a, b = ([1, 17], [3]) if cuda_setup.SIM else ([1, 17, 200], [3, 5])
     got = interleaved(llm, a, b, chunk=1)     # slot 1 written between slot 0's two tokens
@@ -71,9 +78,11 @@ def test_slots_on_the_gpu(whole):
 def test_decode_slots_on_the_gpu(whole):
     """Two slots' next tokens as one batch on the GPU (the decoding kernel per row, over the
     whole cache): slot 2 (its first token) and slot 0 (at position 2) give the CPU's logits
-    for each alone. (The cache types: test_cuda_kv_types.py's test_attention_rows.)"""
+    for each alone (the simulator: the attention side on the GPU). (The cache types:
+    test_cuda_kv_types.py's test_attention_rows.)"""
     from test_api import batched_vs_alone
-    llm = load(whole, n_gpu_layers=99, n_slots=3)
+    llm = load(whole, n_gpu_layers=99, n_slots=3, override_tensors=FFN_ON_CPU)
+    assert all(b == "CUDA0" for b in llm.kv.backends)
     steps = [[(2, 13), (0, 11)]] + ([] if cuda_setup.SIM else [[(1, 40), (2, 41), (0, 42)]])
     got, want = batched_vs_alone(llm, [[5, 6], [], []], steps)      # (the simulator: 2 GPU runs)
     for g, w in zip(got, want):
@@ -238,7 +247,8 @@ def two_gpus(monkeypatch):
 ])
 def test_two_gpus_equal_cpu(model, whole, two_gpus, placement):
     if "exps=CUDA1" in placement["override_tensors"]:
-        model = whole
+        model = whole       # (the simulator: router on CUDA0, experts on CUDA1, attention on the CPU)
+        placement = dict(placement, override_tensors=placement["override_tensors"] + ATTN_ON_CPU)
     llm = load(model, **placement)
     assert {"CUDA0", "CUDA1"} <= set(llm.backends)
     assert close(llm.eval(PROMPT), cpu_logits(model, PROMPT))
@@ -313,7 +323,8 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)
     monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1 if prefetch else 10**6)
     model = whole
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="MUL_MAT,0")
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"] + ATTN_ON_CPU,
+               offload_policy="MUL_MAT,0")
     ids = [3, 44]
     assert close(llm.eval(ids), cpu_logits(model, ids))
     nodes = llm.plan(2, 2).graph.nodes
@@ -377,8 +388,8 @@ def test_upload_all_experts(tiny_model, monkeypatch):
                         router_skew=0.5)
     ids, out = [3, 44], {}
     for every in (False, True):
-        llm = load(skewed, n_gpu_layers=99, override_tensors=["exps=CPU"], upload_all_experts=every,
-                   offload_policy="MUL_MAT,0")          # (the output layer stays on the CPU)
+        llm = load(skewed, n_gpu_layers=99, override_tensors=["exps=CPU"] + ATTN_ON_CPU,
+                   upload_all_experts=every, offload_policy="MUL_MAT,0")   # (output: CPU)
         out[every] = llm.eval(ids), llm.backends["CUDA0"].uploaded_bytes
         nodes = llm.plan(2, 2).graph.nodes
         assert {n.cause for n in nodes if n.op == "MUL_MAT_ID"} == {"off"}
@@ -391,7 +402,7 @@ def test_upload_all_experts(tiny_model, monkeypatch):
     assert out[True][1] - out[False][1] == exps // 2
 
 
-DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=64)
+DENSE = dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=32)
 
 
 @pytest.mark.parametrize("shape", ["moe", "dense"])
@@ -446,8 +457,9 @@ def test_fused_decode_launches_are_exact(tiny_model, monkeypatch, shape):
 def test_zce_sweep_tool(whole, capsys):
     """tools/zce_sweep.py decodes with each share in alternated rounds and prints a row each."""
     import zce_sweep
-    zce_sweep.main(["-m", whole, "-t", "2", "-ngl", "99", "-ot", "exps=CPU", *(
-        ["-ot", "^output=CPU"] if KEEP_OUTPUT else []), "--zce", "0,1", "--tokens", "1", "--rounds", "1", "--read-mb", "32"])
+    ot = [a for r in ["exps=CPU"] + KEEP_OUTPUT + ATTN_ON_CPU for a in ("-ot", r)]
+    zce_sweep.main(["-m", whole, "-t", "2", "-ngl", "99", *ot, "--zce", "0,1", "--tokens", "1",
+                    "--rounds", "1", "--read-mb", "32"])
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("0", "1")]
     assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows)

@@ -114,7 +114,11 @@ def test_kquant_and_iq_models_match_reference(tiny_model, qtype, monkeypatch):
 WIDE = dict(n_embd=256, head_dim=64, n_ff=256, n_ff_exp=256)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "MXFP4", "Q4_K", "IQ4_XS"])
+# One type per repacked layout (most of each case is compiling its type's kernels): quants_rtr's
+# 16-row groups with plain nibbles (Q4_0) and with a table of levels (MXFP4), quants_rtr_k
+# (Q4_K), quants_rtr_xs (IQ4_XS). Every -rtr type's kernels against the GGUF layout's:
+# test_cpu_matmul.py; Q4_1 and Q8_0 -rtr engines also run in test_fusion.py and test_cli.py.
+@pytest.mark.parametrize("qtype", ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"])
 def test_repack_matches_plain(tiny_model, qtype):
     """-rtr (repack=True) gives the int8 path's logits and greedy tokens: the attention and
     expert matrices and the tied output layer repacked, the embedding left for GET_ROWS."""
