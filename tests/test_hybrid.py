@@ -247,7 +247,7 @@ def two_gpus(monkeypatch):
 ])
 def test_two_gpus_equal_cpu(model, whole, two_gpus, placement):
     if "exps=CUDA1" in placement["override_tensors"]:
-        model = whole       # (the simulator: router on CUDA0, experts on CUDA1, attention on the CPU)
+        model = whole       # (the simulator: router on CUDA0, experts on CUDA1, attention on CPU)
         placement = dict(placement, override_tensors=placement["override_tensors"] + ATTN_ON_CPU)
     llm = load(model, **placement)
     assert {"CUDA0", "CUDA1"} <= set(llm.backends)
