@@ -247,7 +247,7 @@ def two_gpus(monkeypatch):
 ])
 def test_two_gpus_equal_cpu(model, whole, two_gpus, placement):
     if "exps=CUDA1" in placement["override_tensors"]:
-        model = whole       # (the simulator: router on CUDA0, experts on CUDA1, attention on the CPU)
+        model = whole       # (the simulator: router on CUDA0, experts on CUDA1, attention on CPU)
         placement = dict(placement, override_tensors=placement["override_tensors"] + ATTN_ON_CPU)
     llm = load(model, **placement)
     assert {"CUDA0", "CUDA1"} <= set(llm.backends)
@@ -363,13 +363,14 @@ def test_fused_moe_op_switch(model):
 def test_fused_moe_switch_on_gpu(whole, monkeypatch):
     """On the GPU's int8 path, -fmoe 1 binds the experts' gate, up and GLU to one fused kernel
     (glu_id) and -fmoe 0 to three: the logits of a one-token step equal each other and the
-    float64 reference's (cosine, as tests/test_models.py's int8 path)."""
+    float64 reference's (cosine, as tests/test_models.py's int8 path). (The simulator: the
+    attention on the CPU.)"""
     from nbmoe.cuda import matmul as cuda_matmul
     from nbmoe.model import reference
     monkeypatch.setattr(cuda_matmul, "INT8_DOT", True)
     out = {}
     for fused in (True, False):
-        llm = load(whole, n_gpu_layers=99, fused_moe=fused)
+        llm = load(whole, n_gpu_layers=99, fused_moe=fused, override_tensors=ATTN_ON_CPU)
         out[fused] = llm.eval([1])[0]
         assert ("glu_id" in {k for k, _ in llm.backends["CUDA0"]._groups.values()}) == fused
     assert close(out[True], out[False], 1e-5)

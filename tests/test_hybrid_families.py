@@ -50,7 +50,8 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
     path = _family_model(tiny_model, family)
     long = not cuda_setup.SIM and family != "deepseek2"
     # (the simulator: 3 tokens, gpt-oss's window of 2 leaves the first key out of the last)
-    ids = PROMPT + ([5, 9, 250, 33, 12, 7, 64, 3, 91] if long else [5] if cuda_setup.SIM else [5, 9])
+    ids = PROMPT + ([5, 9, 250, 33, 12, 7, 64, 3, 91] if long
+                    else [5] if cuda_setup.SIM else [5, 9])
     llm = load(path, **placement)
     assert "CUDA0" in llm.backends
     assert not [n for n in llm.placement if n.startswith(f"blk.{llm.cfg.n_layer}.")]   # NextN
