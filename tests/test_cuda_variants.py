@@ -135,14 +135,16 @@ def test_swiglu_oai(small):
     check("swiglu_oai in place", dg.copy_to_host(), ref)
 
 
-@pytest.mark.parametrize("act", [fused.ACT_SWIGLU_OAI, fused.ACT_SILU])
-def test_fused_glu_act(act, small, monkeypatch):
-    """glu_q8 / glu_id_q8 with gpt-oss's activation: equal to the two products and
-    ops.swiglu_oai bit for bit (products reach beyond +-7), and to the float64 reference."""
+@pytest.mark.parametrize("act,name", [(fused.ACT_SWIGLU_OAI, "Q8_0"), (fused.ACT_SILU, "Q8_0"),
+                                      (fused.ACT_SWIGLU_OAI, "MXFP4")])
+def test_fused_glu_act(act, name, small, monkeypatch):
+    """glu_q8 / glu_id_q8 with gpt-oss's activation (and its MXFP4 experts, whole blocks a
+    chunk): equal to the two products and ops.swiglu_oai bit for bit (products reach beyond
+    +-7), and to the float64 reference."""
     monkeypatch.setattr(matmul, "INT8_DOT", True)
-    qt, E, M, K, A = int(Q["Q8_0"]), 3, 5, 64, 2
-    w, wref = quantize(rnd(E, M, K, seed=3), "Q8_0")
-    wu, wuref = quantize(rnd(E, M, K, seed=4), "Q8_0")
+    qt, E, M, K, A = int(Q[name]), 3, 5, 96, 2
+    w, wref = quantize(rnd(E, M, K, seed=3), name)
+    wu, wuref = quantize(rnd(E, M, K, seed=4), name)
     x = rnd(1, K, seed=5, scale=1.5)
     dw, dwu, dx = dev(w), dev(wu), dev(x)
     glu = ops.swiglu_oai if act == fused.ACT_SWIGLU_OAI else ops.swiglu

@@ -132,8 +132,8 @@ def mmv_kernels(qt):
         ("mul_mat_vec_id_q8 K=2048", matmul._mmv_id_q8_kernel(qt, V(qt, 2048)), (f3, u3, i1, f1, i2, n, n, n)),
         ("products_q8 K=2048", fused._products_kernel(qt, V(qt, 2048)), (f2, f2, f2, u2, u2, u2, f1, f1, f1, i1, f1) + (n,) * 5),
         ("glu_q8 K=2048", fused._glu_kernel(qt, False, V(qt, 2048)), (f2, u2, u2, i1, f1, n, n, n)),
-        ("glu_id_q8 K=2048", fused._glu_kernel(qt, True, V(qt, 2048)), (f3, u3, u3, i1, f1, i2, n, n, n, n)),
-        ("down_combine_q8 K=768", fused._down_combine_kernel(qt, V(qt, 768)), (f2, u3, i1, f1, i2, f2, n, n)),
+        ("glu_id_q8 K=2048", fused._glu_kernel(qt, True, V(qt, 2048)), (f3, u3, u3, i1, f1, i2, n, n, n, n, n, f1, f1)),
+        ("down_combine_q8 K=768", fused._down_combine_kernel(qt, V(qt, 768), False), (f2, u3, i1, f1, i2, f2, n, n, f1)),
     ]
 
 
