@@ -162,10 +162,13 @@ def test_mul_mat_float_odd_K(name, small, monkeypatch):
 
 @pytest.mark.parametrize("name", ["F32", "BF16"])
 def test_mul_mat_small_float_prompt(name, small, monkeypatch):
-    """A float matrix of few rows (a router) at a prompt's T: matrix-vector over token chunks."""
+    """A float matrix of few rows (a router) at a prompt's T: the tiled kernel split over K
+    (4 splits of one 32-block, partial row and token tiles), the parts summed in order."""
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
     monkeypatch.setattr(matmul, "TILED_MIN_M", 16)
-    w, wref = quantize(rnd(9, 64, seed=16), name)
+    monkeypatch.setattr(matmul, "SPLIT_TILE", (8, 4, 2, 2))
+    monkeypatch.setattr(matmul, "SPLIT_MIN_BLOCKS", 1)
+    w, wref = quantize(rnd(9, 128, seed=16), name)
     _check_mul_mat(f"mul_mat small float prompt {name}", w, wref, name, 11, seed=17)
 
 

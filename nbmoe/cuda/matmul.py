@@ -33,7 +33,7 @@ from numba import cuda
 
 from . import SIM, device_fn, ld_f32, or_empty, warp_sum
 from . import matmul_mma as _mma
-from .matmul_tiled import group_by_expert, tiled_kernel
+from .matmul_tiled import group_by_expert, sum_splits_kernel, tiled_kernel
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 from .scratch import buffer, cached
@@ -61,10 +61,13 @@ SPLIT_K_MIN_K, SPLIT_K_MAX, SPLIT_K_ROWS = 1024, 4, 8192
 # tools/cuda_tile_sweep.py (docs/kernels.md); the simulator keeps small tiles (cost per thread).
 TILE_M, TILE_T, TILE_RM, TILE_RT = (64, 64, 4, 4) if SIM else (128, 128, 8, 8)
 TILE_T_ID = 32 if SIM else 64
-# Float matrices of fewer rows than this take the matrix-vector kernel over chunks of
-# MMV_MAX_T tokens for prompts too: a grid of their few row tiles leaves the GPU idle (an F32
-# router; its weights stay in L2 across the chunks).
+# Float matrices of fewer rows than this (an F32 router) take the tiled kernel split over K
+# for prompts: SPLIT_TILE (TM, TT, RM, RT) tiles, about SPLIT_GRID blocks, each split at
+# least SPLIT_MIN_BLOCKS 32-blocks of K (the matrix-vector kernel over chunks of 8 tokens took
+# 162 us for a 128 x 2048 router at 512 tokens on an H200).
 TILED_MIN_M = 1024
+SPLIT_TILE = (16, 16, 2, 2) if SIM else (64, 64, 4, 4)
+SPLIT_GRID, SPLIT_MIN_BLOCKS = (4, 2) if SIM else (256, 2)
 # Threads of the get_rows / dequantize kernels (one unit each).
 ROWS_THREADS = 128
 
@@ -372,9 +375,12 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=No
         kern, nth = tiled_kernel(qtype, TILE_M, TILE_T, TILE_RM, TILE_RT, False)
         d = buffer("dummy", 4, np.int32)
         kern[((M + TILE_M - 1) // TILE_M, (T + TILE_T - 1) // TILE_T), nth, stream](
-            out, w, x, RB, K, T, M, d, d, 1, 1)
+            out, w, x, RB, K, T, M, d, d, 1, 1, K // 32)
         return
-    nt = min(T, MMV_MAX_T)      # small or odd float matrices at T > MMV_MAX_T: chunks of tokens
+    if T > MMV_MAX_T and K % 32 == 0:
+        _mul_mat_split_k(out, w, x, qtype, RB, K, stream)
+        return
+    nt = min(T, MMV_MAX_T)      # odd float matrices at T > MMV_MAX_T: chunks of tokens
     S = _split_k(M, K)
     rpb = MMV_WARPS // S        # rows a block
     grid = ((M + rpb - 1) // rpb, (T + nt - 1) // nt)
@@ -385,6 +391,21 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=No
             out, w, xq, xds, bias, RB, K)
     else:
         _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, bias, RB, K)
+
+
+def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
+    """out [T, M] = x @ dequant(w)^T for few rows (M < TILED_MIN_M): the tiled kernel with K
+    split over grid z into enough blocks for the GPU, then the parts summed in order."""
+    T, M = out.shape
+    gm, gt = (M + SPLIT_TILE[0] - 1) // SPLIT_TILE[0], (T + SPLIT_TILE[1] - 1) // SPLIT_TILE[1]
+    B = K // 32
+    kc = max(SPLIT_MIN_BLOCKS, -(-B * gm * gt // SPLIT_GRID))     # 32-blocks a split
+    Z = -(-B // kc)
+    part = buffer("split_k", Z * T * M, np.float32)
+    kern, nth = tiled_kernel(qtype, *SPLIT_TILE, False, True)
+    d = buffer("dummy", 4, np.int32)
+    kern[(gm, gt, Z), nth, stream](part, w, x, RB, K, T, M, d, d, 1, 1, kc)
+    sum_splits_kernel[(T * M + 255) // 256, 256, stream](out, part, Z)
 
 
 def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
@@ -412,7 +433,8 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
     TT = TILE_T_ID
     order, tiles, max_tiles = group_by_expert(ids, E, TT, stream, grouped)
     kern, nth = tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
-    kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X)
+    kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X,
+                                                              K // 32)
 
 
 def get_rows(out, w, ids, qtype, stream=0):

@@ -9,6 +9,10 @@ Per 32-value step a block decodes TM rows' block into shared memory (one unit a 
 to TT slots' x. Block: (TM / RM) * (TT / RT) threads; thread (tr, tc) owns rows
 tr + i * TM / RM (i < RM), so a warp reads 32 different shared-memory rows of stride 33 (no
 bank conflicts), and slots tc * RT + j (one value a warp: a broadcast). K % 32 == 0.
+Split-K (split_k): block z takes the 32-blocks z * KC .. z * KC + KC - 1 of K and writes its
+sums to part [Z, T, M] (flat) instead; sum_splits_kernel adds the Z parts in order (the same
+result every run). For matrices of few rows (an F32 router), whose row tiles alone leave most
+of the GPU idle.
 
 group_by_expert_kernel: ids [T, A] -> order [N] (pair indices t * A + a grouped by expert;
 the order within an expert is whatever the atomics gave, no result depends on it) and tiles
@@ -69,7 +73,7 @@ def _store_pair(out, p, A, r, v):
     out[t, p - t * A, r] = v
 
 
-def tiled_kernel(qtype, TM, TT, RM, RT, gather):
+def tiled_kernel(qtype, TM, TT, RM, RT, gather, split_k=False):
     t_ = qtype_info(qtype)
     dec, split = t_.dec, t_.split
     SR = TM // RM              # threads along rows
@@ -80,7 +84,7 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather):
 
     def build():
         @cuda.jit
-        def mul_mat_tiled_kernel(out, w, x, RB, K, T, M, order, tiles, A, X):
+        def mul_mat_tiled_kernel(out, w, x, RB, K, T, M, order, tiles, A, X, KC):
             ws = cuda.shared.array(WS, f32)          # decoded weights, padded against bank conflicts
             xs = cuda.shared.array(XS, f32)
             xrow = cuda.shared.array(TT, i32)
@@ -98,7 +102,8 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather):
             for i in range(ACC):
                 acc[i] = f32(0.0)
             cuda.syncthreads()
-            for kb in range(K // 32):
+            kb0 = cuda.blockIdx.z * KC if split_k else 0
+            for kb in range(kb0, min(K // 32, kb0 + KC)):
                 for n in range(tid, TM * 4, NTH):     # decode: one unit a thread
                     rr = n // 4
                     u = n - 4 * rr
@@ -133,9 +138,25 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather):
                     for i in range(RM):
                         r = r0 + tr + i * SR
                         if r < M:
-                            store(out, o, A, r, acc[i * RT + j])
+                            if split_k:
+                                out[(cuda.blockIdx.z * T + o) * M + r] = acc[i * RT + j]
+                            else:
+                                store(out, o, A, r, acc[i * RT + j])
         return mul_mat_tiled_kernel, NTH
-    return cached(("tiled", int(qtype), TM, TT, RM, RT, gather), build)
+    return cached(("tiled", int(qtype), TM, TT, RM, RT, gather, split_k), build)
+
+
+@cuda.jit
+def sum_splits_kernel(out, part, Z):
+    """out [T, M] = sum over z < Z of part [Z, T, M] (flat), in z order."""
+    T, M = out.shape
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < T * M:
+        t = i // M
+        v = part[i]
+        for z in range(1, Z):
+            v += part[z * T * M + i]
+        out[t, i - t * M] = v
 
 
 def _group_kernel():
