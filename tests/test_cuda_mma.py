@@ -99,6 +99,19 @@ def _k(name):
     return 256 if GGML_QUANT_SIZES[Q[name]][0] == 256 else 96   # 96: 3 blocks, a partial K step
 
 
+@pytest.mark.parametrize("name,K", [("Q4_0", 448), ("Q6_K", 512)])
+def test_mul_mat_mma_split_k(name, K, tiles, monkeypatch):
+    """A grid of few blocks (4) on a GPU of 8 multiprocessors splits K over grid z: Q4_0 in 3
+    splits of 6, 6 and 2 blocks of 32, Q6_K in 4; the parts are summed after."""
+    monkeypatch.setattr(matmul_mma, "sm_count", lambda: 8)
+    M, T = 37, 19
+    w, wref = _weights((M,), name, seed=5, K=K)
+    x = rnd(T, K, seed=6)
+    out = poisoned((T, M))
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
+    check_x8(f"mma mul_mat split-K {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_mul_mat_mma(name, tiles):
     """M = 37 rows (two row tiles, the second partial), T = 19 tokens (two token tiles)."""

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from nbmoe.cuda import matmul_mma as mm  # noqa: E402
 
 SIG = (types.float32[:, ::1], types.uint8[:, ::1], types.int32[::1], types.float32[::1], types.int64,
-       types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64)
+       types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64, types.int64)
 SIG_ID = (types.float32[:, :, ::1],) + SIG[1:]
 
 

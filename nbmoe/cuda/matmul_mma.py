@@ -21,13 +21,13 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
-from .matmul_tiled import group_by_expert, tile_slots
+from .matmul_tiled import group_by_expert, sum_splits_kernel, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
 from .quants_iq4 import IQ4_NL, IQ4_XS, MXFP4
 from .quants_k import Q3_K, Q4_K, Q5_K, Q6_K
-from .scratch import buffer, cached
+from .scratch import buffer, cached, sm_count
 from .x8 import quantize_x
 
 f32 = np.float32
@@ -49,6 +49,11 @@ assert not {Q8_0, IQ4_NL, IQ4_XS, MXFP4} & HAS_M
 # blocks of 32 (shared memory: (TM + TT) * (32 KB + 16) bytes + scales, <= 48 KB). The simulator
 # keeps a few small warps (every thread is a Python thread there).
 TM, TT, TT_ID, WM, WT, KB = (32, 16, 16, 2, 1, 2) if SIM else (128, 64, 64, 4, 2, 4)
+# Dense products whose grid has fewer than SPLIT_FILL blocks an SM (the k and v products of a
+# 512-token prompt: 32 blocks) split K over grid z, each split at least SPLIT_MIN_STEPS K
+# steps: a block's K steps run one after another at about the same time a step however few
+# blocks share its SM.
+SPLIT_FILL, SPLIT_MIN_STEPS = 2, 2
 # Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
 # * threads), 128 at 256 threads; unbounded, some types took ~155 and ran one block an SM).
 MIN_BLOCKS = 2
@@ -90,7 +95,7 @@ def i2f(c):
 #  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
 # Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
 
-def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     per16, has_m = int(qtype) in PER16, int(qtype) in HAS_M
@@ -116,7 +121,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
-        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X):
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
@@ -169,8 +174,10 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
             xj0 = tid // KW
             xsj0 = tid // KB
             xsk = tid % KB
-            for kb0 in range(0, nb, KB):
-                nkb = min(KB, nb - kb0)
+            kbs = cuda.blockIdx.z * KC if split_k else 0       # split-K: this block's blocks of K
+            kbe = min(nb, kbs + KC)
+            for kb0 in range(kbs, kbe, KB):
+                nkb = min(KB, kbe - kb0)
                 # 1. weight units -> codes and scales; x words and scales
                 if kbu < nkb:
                     for i in range(NU):
@@ -258,7 +265,9 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                                         acc[o + 3] += m1 * mx1[j]
                 cuda.syncthreads()
             # 3. store: lane (g, t4) has rows g, g + 8 and slots 2 t4, 2 t4 + 1 of each tile; out
-            # [T, M] or [T, A, M] (C-contiguous) is rows of M: row orow[slot] (t, or p = t * A + a)
+            # [T, M] or [T, A, M] (C-contiguous) is rows of M: row orow[slot] (t, or p = t * A + a);
+            # split-K: rows z * T + t of the parts [Z, T, M]
+            zt = cuda.blockIdx.z * T if split_k else 0
             for i in range(MI):
                 for h in range(2):
                     r = r0 + rw + 16 * i + g + 8 * h
@@ -267,20 +276,32 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather):
                             for e in range(2):
                                 o = orow[cw + 8 * j + 2 * t4 + e]
                                 if o >= 0:
-                                    st_f32(out, o * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
+                                    st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
 
 def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
-    """out [T, M] = x [T, K] @ dequant(w [M, RB])^T, x quantized to 8 bits (or x_ready)."""
+    """out [T, M] = x [T, K] @ dequant(w [M, RB])^T, x quantized to 8 bits (or x_ready). A grid
+    of fewer than SPLIT_FILL blocks an SM splits K over grid z (parts summed in order after)."""
     T, M = out.shape
     xq, xds = quantize_x(x, T, K, stream, x_ready)
-    kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
     d = buffer("dummy", 4, np.int32)
-    kern[((M + TM - 1) // TM, (T + TT - 1) // TT), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1)
+    gm, gt = (M + TM - 1) // TM, (T + TT - 1) // TT
+    nb = K // 32
+    Z = min(SPLIT_FILL * sm_count() // (gm * gt), nb // (SPLIT_MIN_STEPS * KB))
+    if Z < 2:
+        kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
+        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb)
+        return
+    kc = -(-nb // (Z * KB)) * KB                 # blocks of K a split: whole K steps
+    Z = -(-nb // kc)
+    part = buffer("mma_split_k", Z * T * M, np.float32)
+    kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
+    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc)
+    sum_splits_kernel[(T * M + 255) // 256, 256, stream](out, part, Z)
 
 
 def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False):
@@ -292,4 +313,4 @@ def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=Fa
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
     order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
     kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
-    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X)
+    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32)

@@ -1,11 +1,23 @@
 """What the matrix kernels keep between calls: kernels built per key, device buffers per GPU."""
 from numba import cuda
 
-from . import device_id
+from . import SIM, device_id
 
 _kernels = {}
 _buffers = {}
 _outgrown = []
+_sms = {}
+SIM_SMS = 2         # the simulator's stand-in for a GPU's multiprocessors
+
+
+def sm_count():
+    """Multiprocessors of the current GPU (grid sizes that fill it)."""
+    if SIM:
+        return SIM_SMS
+    d = device_id()
+    if d not in _sms:
+        _sms[d] = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return _sms[d]
 
 
 def cached(key, build):
