@@ -75,6 +75,8 @@ EP_OVERLAP = env_flag("NBMOE_EP_OVERLAP", True)
 # ---- CUDA: fallbacks for a driver that refuses a feature
 # NBMOE_NO_GRAPHS=1: launch decoding's kernels one by one instead of replaying CUDA graphs.
 GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)
+# NBMOE_NO_PROMPT_GRAPHS=1: prompt batches launch their kernels one by one (decoding's graphs stay).
+PROMPT_GRAPHS = not env_flag("NBMOE_NO_PROMPT_GRAPHS", False)
 # NBMOE_NO_PIN=1: upload offloaded weights from the pageable file mapping (no page-locking).
 PIN = not env_flag("NBMOE_NO_PIN", False)
 # NBMOE_NO_MAPPED=1: hybrid decoding copies its small crossings instead of mapping host memory.

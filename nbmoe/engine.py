@@ -260,7 +260,7 @@ class LLM:
         slot's next token (decode_slots); it reads the whole cache, so one plan (one CUDA graph
         per batch size) serves every mix of slots."""
         share = self.zce_share if n_tokens == 1 and not per_row else 0
-        graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
+        graphed = self._plan_per_slot and (n_tokens <= scheduler.GRAPH_MAX_T or config.PROMPT_GRAPHS)
         key = (n_tokens, n_logits, share, "rows" if per_row else self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,

@@ -121,10 +121,26 @@ def test_hybrid_equals_cpu(model, whole, placement):
         tok = int(nxt[-1].argmax())
 
 
+@pytest.mark.skipif(cuda_setup.SIM, reason="the simulator records no CUDA graphs")
+def test_prompt_batches_replay_as_graphs(whole):
+    """All on the GPU, prompt batches of 12 tokens are CUDA graphs: the third batch (and the
+    ones after it) replays the recording of the second at new positions and tokens, equal to
+    the CPU's logits batch by batch."""
+    from nbmoe.cuda.graphs import GraphRun
+    llm, ref = load(whole, n_gpu_layers=99), nbmoe.load(whole, n_ctx=64, threads=2)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        ids = rng.integers(1, 200, 12).tolist()
+        assert close(llm.eval(ids), ref.eval(ids))
+    runs = [s for p in llm._plans.values() for s in p.steps if isinstance(s, GraphRun)]
+    assert any(r.exec is not None for r in runs)
+
+
 @pytest.mark.parametrize("zce", [0, 1])
 def test_decode_crossings_in_mapped_memory(model, zce):
     """Experts in RAM, one token: the router's choices and weights, the normed x and the
-    experts' sum cross through mapped host memory, no copy step a layer. The GPU kernels
+    experts' sum cross through mapped host memory, no copy step a layer (prompts too, while
+    their experts stay on the CPU). The GPU kernels
     read / write the ones only they use there (mapped_crossings); norm_route writes the ones
     the GPU reads too (the normed x for its products; with -zce the choices for its share of
     the experts) to both memories (mirror_candidates). Copied: the token's embedding and
@@ -135,7 +151,9 @@ def test_decode_crossings_in_mapped_memory(model, zce):
     assert {c.buffer for c in plan.copies if c.mapped} == {"expert_ids", "expert_weights", "ffn_out", "h"}
     out = "x" if KEEP_OUTPUT else "logits"          # (the output layer's input or output)
     assert sorted(c.buffer for c in plan.copies if not c.mapped) == sorted(["pos", "x", out])
-    assert not any(c.mapped for c in llm.plan(9, 1).copies)     # prompts: no graphs, copies
+    # a prompt below the experts' offload batch is recorded too: its small crossings mapped
+    assert {c.buffer for c in llm.plan(9, 1).copies if c.mapped} == {"expert_ids", "expert_weights", "ffn_out"}
+    assert not any(c.mapped for c in llm.plan(64, 1).copies)    # experts offloaded: no graphs, copies
 
 
 @pytest.mark.parametrize("zce", [0, 1])

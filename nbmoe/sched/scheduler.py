@@ -22,9 +22,11 @@ The zc nodes' steps are moved after those copies and launched as a graph of thei
 the host does not wait for: the host waits for the routing and the copies only, then
 computes the CPU's experts while the GPU computes its share.
 
-Small batches (decoding, up to GRAPH_MAX_T tokens) on a GPU: each run of consecutive GPU
-steps becomes one CUDA graph replay (cuda/graphs.py), one host call instead of a launch per
-kernel; copies and offloaded products stay outside. --timings replays each step of such a run
+On a GPU each run of consecutive GPU steps becomes one CUDA graph replay (cuda/graphs.py),
+one host call instead of a launch per kernel: for decoding batches (up to GRAPH_MAX_T
+tokens), and for prompt batches without offloaded products (graphed_batch; a 512-token
+batch of a 48-layer MoE makes ~1100 launches, more host time than GPU time). Copies from
+host memory and offloaded products stay outside. --timings replays each step of such a run
 as a graph of its own between CUDA events: per-op device times.
 Small buffers that cross between the CPU and one GPU and that the GPU touches once per
 crossing (the router's choices and weights out of a layer's GPU split, the CPU experts'
@@ -50,8 +52,8 @@ from nbmoe.model.graph import OPS
 OFFLOAD_MIN_BATCH = 32
 # Ops whose small weight (a bias, the selection bias) goes where their input is, not the reverse.
 FOLLOW_INPUTS = ("ADD_BIAS", "ADD_BIAS_ID", "TOPK_MOE")
-# Batches up to which runs of GPU steps are recorded and replayed as CUDA graphs: launch
-# overhead matters only where kernels are short.
+# Batches up to which runs of GPU steps are always recorded and replayed as CUDA graphs
+# (larger ones: graphed_batch).
 GRAPH_MAX_T = 8
 # Crossing buffers up to this size may be mapped host memory (see mapped_crossings).
 MAPPED_MAX_BYTES = 64 << 10
@@ -219,8 +221,7 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
                     lambda layer: state.kv.backends[layer])
     # Decoding with GPUs: host buffers pinned, so that copies run on the GPU's stream and a
     # CUDA graph can hold them with the kernels (graph mode, see the module docstring).
-    graph_mode = graph.n_tokens <= GRAPH_MAX_T and gpus and all(
-        hasattr(backends[g], "graph_run") for g in gpus)
+    graph_mode = gpus and all(hasattr(backends[g], "graph_run") for g in gpus) and graphed_batch(graph)
     bufs = {name: _Buffers(be, graph, backends[gpus[0]].pinned_alloc
                            if graph_mode and name == "CPU" else None)
             for name, be in backends.items()}
@@ -314,6 +315,15 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     if "logits" in valid:
         host["logits"] = bufs["CPU"]["logits"]
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
+
+
+def graphed_batch(graph):
+    """Whether a plan's GPU runs are CUDA graphs: decoding batches always; prompt batches
+    (config.PROMPT_GRAPHS) unless a product is offloaded, whose uploads from RAM stay outside
+    graphs and overlap the products on a stream of their own."""
+    if graph.n_tokens <= GRAPH_MAX_T:
+        return True
+    return config.PROMPT_GRAPHS and not any(node.cause == "off" for node in graph.nodes)
 
 
 def mapped_crossings(graph, gpu):
