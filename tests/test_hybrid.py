@@ -122,18 +122,27 @@ def test_hybrid_equals_cpu(model, whole, placement):
 
 
 @pytest.mark.skipif(cuda_setup.SIM, reason="the simulator records no CUDA graphs")
-def test_prompt_batches_replay_as_graphs(whole):
+def test_prompt_batches_replay_as_graphs(whole, monkeypatch):
     """All on the GPU, prompt batches of 12 tokens are CUDA graphs: the third batch (and the
     ones after it) replays the recording of the second at new positions and tokens, equal to
-    the CPU's logits batch by batch."""
+    the same batches launched one kernel at a time, and to the CPU's logits."""
+    from nbmoe import config
     from nbmoe.cuda.graphs import GraphRun
-    llm, ref = load(whole, n_gpu_layers=99), nbmoe.load(whole, n_ctx=64, threads=2)
     rng = np.random.default_rng(3)
-    for _ in range(4):
-        ids = rng.integers(1, 200, 12).tolist()
-        assert close(llm.eval(ids), ref.eval(ids))
+    batches = [rng.integers(1, 200, 12).tolist() for _ in range(4)]
+    monkeypatch.setattr(config, "PROMPT_GRAPHS", False)
+    plain = load(whole, n_gpu_layers=99, flash_attn="off")
+    want = [plain.eval(ids) for ids in batches]
+    monkeypatch.setattr(config, "PROMPT_GRAPHS", True)
+    llm, ref = load(whole, n_gpu_layers=99, flash_attn="off"), nbmoe.load(whole, n_ctx=64, threads=2)
+    for ids, w in zip(batches, want):
+        got = llm.eval(ids)
+        assert np.array_equal(got, w)
+        assert close(got, ref.eval(ids))
     runs = [s for p in llm._plans.values() for s in p.steps if isinstance(s, GraphRun)]
     assert any(r.exec is not None for r in runs)
+    assert not any(isinstance(s, GraphRun) for p in plain._plans.values() for s in p.steps
+                   if p.graph.n_tokens > 8)
 
 
 @pytest.mark.parametrize("zce", [0, 1])
