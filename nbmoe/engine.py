@@ -260,7 +260,7 @@ class LLM:
         slot's next token (decode_slots); it reads the whole cache, so one plan (one CUDA graph
         per batch size) serves every mix of slots."""
         share = self.zce_share if n_tokens == 1 and not per_row else 0
-        graphed = self._plan_per_slot and (n_tokens <= scheduler.GRAPH_MAX_T or config.PROMPT_GRAPHS)
+        graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
         key = (n_tokens, n_logits, share, "rows" if per_row else self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,
@@ -268,8 +268,11 @@ class LLM:
             if share:       # -zce: a GPU computes part of each layer's chosen experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
                                        for il in range(self.cfg.n_layer)])
+            # several slots: prompt plans launch kernel by kernel (a recording holds one
+            # slot's cache: a plan a slot would multiply their activation buffers)
             self._plans[key] = make_plan(g, self.backends, self.state,
-                                         lambda name: self.placement[name][0], self.policy, self.cfg)
+                                         lambda name: self.placement[name][0], self.policy, self.cfg,
+                                         prompt_graphs=len(self.slots) == 1)
             self._warn_no_flash()
         return self._plans[key]
 

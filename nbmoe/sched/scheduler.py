@@ -215,13 +215,15 @@ class _Buffers(dict):
         return arr
 
 
-def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=None, cfg=None):
+def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=None, cfg=None,
+              prompt_graphs=True):
     gpus = [name for name in backends if name != "CPU"]
     assign_backends(graph, weight_backend, policy, cfg, gpus[0] if gpus else None,
                     lambda layer: state.kv.backends[layer])
     # Decoding with GPUs: host buffers pinned, so that copies run on the GPU's stream and a
     # CUDA graph can hold them with the kernels (graph mode, see the module docstring).
-    graph_mode = gpus and all(hasattr(backends[g], "graph_run") for g in gpus) and graphed_batch(graph)
+    graph_mode = gpus and all(hasattr(backends[g], "graph_run") for g in gpus) and graphed_batch(
+        graph, prompt_graphs)
     bufs = {name: _Buffers(be, graph, backends[gpus[0]].pinned_alloc
                            if graph_mode and name == "CPU" else None)
             for name, be in backends.items()}
@@ -317,13 +319,15 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
     return Plan(graph, make_splits(graph), steps, labels, host, copies, backends)
 
 
-def graphed_batch(graph):
+def graphed_batch(graph, prompt_graphs=True):
     """Whether a plan's GPU runs are CUDA graphs: decoding batches always; prompt batches
-    (config.PROMPT_GRAPHS) unless a product is offloaded, whose uploads from RAM stay outside
-    graphs and overlap the products on a stream of their own."""
+    (config.PROMPT_GRAPHS; prompt_graphs False: the engine serves several slots, whose caches
+    a recording would need a plan each for) unless a product is offloaded, whose uploads from
+    RAM stay outside graphs and overlap the products on a stream of their own."""
     if graph.n_tokens <= GRAPH_MAX_T:
         return True
-    return config.PROMPT_GRAPHS and not any(node.cause == "off" for node in graph.nodes)
+    return (config.PROMPT_GRAPHS and prompt_graphs
+            and not any(node.cause == "off" for node in graph.nodes))
 
 
 def mapped_crossings(graph, gpu):
