@@ -33,7 +33,7 @@ from numba import cuda
 
 from . import SIM, device_fn, ld_f32, or_empty, warp_sum
 from . import matmul_mma as _mma
-from .matmul_tiled import group_by_expert, sum_splits_kernel, tiled_kernel
+from .matmul_tiled import group_by_expert, sum_splits, tiled_kernel
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 from .scratch import buffer, cached
@@ -405,7 +405,7 @@ def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
     kern, nth = tiled_kernel(qtype, *SPLIT_TILE, False, True)
     d = buffer("dummy", 4, np.int32)
     kern[(gm, gt, Z), nth, stream](part, w, x, RB, K, T, M, d, d, 1, 1, kc)
-    sum_splits_kernel[(T * M + 255) // 256, 256, stream](out, part, Z)
+    sum_splits(out, part, Z, stream)
 
 
 def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):

@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
-from .matmul_tiled import group_by_expert, sum_splits_kernel, tile_slots
+from .matmul_tiled import group_by_expert, sum_splits, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
@@ -301,7 +301,7 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
     part = buffer("mma_split_k", Z * T * M, np.float32)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
     kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc)
-    sum_splits_kernel[(T * M + 255) // 256, 256, stream](out, part, Z)
+    sum_splits(out, part, Z, stream)
 
 
 def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False):

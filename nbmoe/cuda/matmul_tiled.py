@@ -159,6 +159,12 @@ def sum_splits_kernel(out, part, Z):
         out[t, i - t * M] = v
 
 
+def sum_splits(out, part, Z, stream):
+    """Launch sum_splits_kernel: out [T, M] = the Z parts of a split-K product, in order."""
+    T, M = out.shape
+    sum_splits_kernel[(T * M + 255) // 256, 256, stream](out, part, Z)
+
+
 def _group_kernel():
     def build():
         @cuda.jit
