@@ -200,3 +200,24 @@ def test_mul_mat_id_grouped(name, X, small, monkeypatch):
     out = poisoned((T, A, M))
     matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
     check(f"mul_mat_id grouped {name}", out.copy_to_host(), mul_mat_id_ref(wref, x, ids))
+
+
+@pytest.mark.parametrize("E,TT", [(37, 4), (150, 3)])
+def test_group_by_expert_table(E, TT):
+    """The grouping's table against numpy: tiles in expert order, each expert's pairs in runs of
+    at most TT from its offset (the prefix of the experts' counts), and `order` holding exactly
+    each expert's pairs there. E = 150 gives each of the kernel's threads a run of experts."""
+    from nbmoe.cuda.matmul_tiled import group_by_expert
+    T, A = 50, 4
+    ids = np.random.default_rng(21).integers(0, E, (T, A)).astype(np.int32)
+    order, tiles, max_tiles = group_by_expert(dev(ids), E, TT, 0)
+    order, tiles = order.copy_to_host()[:T * A], tiles.copy_to_host()
+    cnt = np.bincount(ids.ravel(), minlength=E)
+    want = [(e, s + f, min(TT, c - f)) for e, (s, c) in enumerate(zip(np.cumsum(cnt) - cnt, cnt))
+            for f in range(0, c, TT)]
+    assert tiles[0] == len(want) <= max_tiles
+    assert [tuple(tiles[1 + 3 * k:4 + 3 * k]) for k in range(len(want))] == want
+    start = np.cumsum(cnt) - cnt
+    for e in range(E):
+        got = np.sort(order[start[e]:start[e] + cnt[e]])
+        assert np.array_equal(got, np.flatnonzero(ids.ravel() == e))

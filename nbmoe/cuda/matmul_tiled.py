@@ -17,21 +17,23 @@ of the GPU idle.
 group_by_expert_kernel: ids [T, A] -> order [N] (pair indices t * A + a grouped by expert;
 the order within an expert is whatever the atomics gave, no result depends on it) and tiles
 int32: tiles[0] the number n of tiles, then n triples (expert, first index into order,
-pairs <= TT). One block: a shared-memory histogram by atomics, offsets and the tile table by
-thread 0 (E + N / TT steps), then the scatter.
+pairs <= TT). One block: a shared-memory histogram by atomics; each thread sums the pairs and
+tiles of a run of experts, a scan over the threads gives each run its first pair and tile,
+and the thread writes its experts' offsets and tiles; then the scatter.
 """
 import numpy as np
 from numba import cuda
 
-from . import device_fn, ld_f32
+from . import SIM, device_fn, ld_f32
 from .quants import qtype_info, unit_cols
 from .scratch import buffer, cached
 
 f32 = np.float32
 i32 = np.int32
 
-# Experts the grouping kernel handles (shared-memory counters).
+# Experts the grouping kernel handles (shared-memory counters), and its threads (one block).
 MAX_E = 1024
+GROUP_THREADS = 64 if SIM else 256
 
 
 @device_fn
@@ -171,37 +173,59 @@ def _group_kernel():
         def group_by_expert_kernel(ids, E, TT, order, tiles):
             cnt = cuda.shared.array(MAX_E, i32)
             fill = cuda.shared.array(MAX_E, i32)
+            sc = cuda.shared.array(GROUP_THREADS, i32)       # per thread: pairs, then their offset
+            st = cuda.shared.array(GROUP_THREADS, i32)       # per thread: tiles, then their offset
             tid = cuda.threadIdx.x
-            nth = cuda.blockDim.x
             A = ids.shape[1]
             N = ids.shape[0] * A
-            for e in range(tid, E, nth):
+            for e in range(tid, E, GROUP_THREADS):
                 cnt[e] = 0
             cuda.syncthreads()
-            for p in range(tid, N, nth):
+            for p in range(tid, N, GROUP_THREADS):
                 t = p // A
                 cuda.atomic.add(cnt, ids[t, p - t * A], 1)
             cuda.syncthreads()
-            if tid == 0:
-                start = 0
-                k = 0
-                for e in range(E):
-                    fill[e] = start
-                    c = cnt[e]
-                    for f in range(0, c, TT):
-                        tiles[3 * k + 1] = e
-                        tiles[3 * k + 2] = start + f
-                        tiles[3 * k + 3] = min(TT, c - f)
-                        k += 1
-                    start += c
-                tiles[0] = k
+            # thread tid owns experts e0 .. e1 - 1: their pairs and tiles, scanned over the threads
+            ch = (E + GROUP_THREADS - 1) // GROUP_THREADS
+            e0 = min(E, tid * ch)
+            e1 = min(E, e0 + ch)
+            c = 0
+            k = 0
+            for e in range(e0, e1):
+                c += cnt[e]
+                k += (cnt[e] + TT - 1) // TT
+            sc[tid] = c
+            st[tid] = k
             cuda.syncthreads()
-            for p in range(tid, N, nth):
+            d = 1
+            while d < GROUP_THREADS:                           # inclusive scan (Hillis-Steele)
+                a = sc[tid - d] if tid >= d else 0
+                b = st[tid - d] if tid >= d else 0
+                cuda.syncthreads()
+                sc[tid] += a
+                st[tid] += b
+                cuda.syncthreads()
+                d *= 2
+            start = sc[tid] - c                                # exclusive: this thread's first pair
+            k = st[tid] - k                                    # and first tile
+            for e in range(e0, e1):
+                fill[e] = start
+                n = cnt[e]
+                for f in range(0, n, TT):
+                    tiles[3 * k + 1] = e
+                    tiles[3 * k + 2] = start + f
+                    tiles[3 * k + 3] = min(TT, n - f)
+                    k += 1
+                start += n
+            if tid == GROUP_THREADS - 1:
+                tiles[0] = st[tid]
+            cuda.syncthreads()
+            for p in range(tid, N, GROUP_THREADS):
                 t = p // A
                 slot = cuda.atomic.add(fill, ids[t, p - t * A], 1)
                 order[slot] = p
         return group_by_expert_kernel
-    return cached(("group",), build)
+    return cached(("group", GROUP_THREADS), build)
 
 
 def group_by_expert(ids, E, TT, stream, grouped=False):
@@ -216,5 +240,5 @@ def group_by_expert(ids, E, TT, stream, grouped=False):
     order = buffer("order", N, np.int32)
     tiles = buffer("tiles", 1 + 3 * max_tiles, np.int32)
     if not grouped:
-        _group_kernel()[1, 256, stream](ids, E, TT, order, tiles)
+        _group_kernel()[1, GROUP_THREADS, stream](ids, E, TT, order, tiles)
     return order, tiles, max_tiles
