@@ -17,10 +17,10 @@ from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from numba import cuda  # noqa: E402
 from cuda_common import _simulator_speed  # noqa: E402,F401  (fixture)
-from cuda_common import check, check_x8, dev, mul_mat_id_ref, poisoned, quantize, rnd, x_rounded  # noqa: E402
+from cuda_common import check_x8, dev, mul_mat_id_ref, poisoned, quantize, rnd  # noqa: E402
 from test_cuda_kquants import weights  # noqa: E402
 
-from nbmoe.cuda import fused, matmul, matmul_mma, quants  # noqa: E402
+from nbmoe.cuda import matmul, matmul_mma, quants  # noqa: E402
 from nbmoe.cuda.mma import mma_s8_16x8x16, mma_s8_16x8x32  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -137,46 +137,6 @@ def test_mul_mat_id_mma(name, X, tiles):
     matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
     check_x8(f"mma mul_mat_id {name} X={X}", out.copy_to_host(), x,
              lambda x_: mul_mat_id_ref(wref, x_, ids), True)
-
-
-def _glu_ref(g, u, act):
-    if act == fused.ACT_SWIGLU_OAI:
-        a, b = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
-        return a / (1 + np.exp(-1.702 * a)) * (b + 1)
-    return g / (1 + np.exp(-g)) * u
-
-
-@pytest.mark.parametrize("name,merged,act,biased", [("Q4_0", False, fused.ACT_SILU, False),
-                                                    ("Q6_K", True, fused.ACT_SILU, False),
-                                                    ("MXFP4", False, fused.ACT_SWIGLU_OAI, True),
-                                                    ("Q4_K", True, fused.ACT_SWIGLU_OAI, True)])
-def test_mul_mat_id_glu_mma(name, merged, act, biased, tiles):
-    """The experts' gate, up and GLU of a prompt in one kernel: F = 20 rows (two blocks of 16
-    gate and 16 up rows, the second partial), gate and up apart or merged (-muge: each
-    expert's gate rows, then its up rows), with gpt-oss's biases and activation."""
-    E, F, A, T, K = 4, 20, 2, 11, _k(name)
-    w, wref = _weights((E, 2 * F), name, seed=11, K=K)
-    b = rnd(E, 2 * F, seed=12, scale=0.5) if biased else np.zeros((E, 2 * F), np.float32)
-    ids = np.random.default_rng(13).integers(0, E, (T, A)).astype(np.int32)
-    x = rnd(T, 1, K, seed=14)
-    qt = int(Q[name])
-    if merged:
-        args = (dev(w), None, dev(x), dev(ids), qt, act, dev(b.reshape(-1)) if biased else None, None)
-    else:
-        halves = [dev(np.ascontiguousarray(a)) for a in (w[:, :F], w[:, F:], b[:, :F].reshape(-1), b[:, F:].reshape(-1))]
-        args = (halves[0], halves[1], dev(x), dev(ids), qt, act) + ((halves[2], halves[3]) if biased else (None, None))
-    out = poisoned((T, A, F))
-    matmul.mul_mat_id_glu(out, *args)
-
-    def ref(x_):
-        g = mul_mat_id_ref(wref[:, :F], x_, ids) + b[ids, :F]
-        u = mul_mat_id_ref(wref[:, F:], x_, ids) + b[ids, F:]
-        return _glu_ref(g, u, act)
-    label = f"mma mul_mat_id_glu {name} merged={merged}"
-    if act == fused.ACT_SWIGLU_OAI:    # clamped at +-7: products of these random blocks saturate, and x's
-        check(label, out.copy_to_host(), ref(x_rounded(x)))    # rounding moves the sigmoid's edge
-    else:
-        check_x8(label, out.copy_to_host(), x, ref, True)
 
 
 def test_x_ready_mma(tiles):

@@ -59,17 +59,16 @@ def main():
         mm.TT_ID = mm.TT
     bad = 0
     for name in a.types.split(","):
-        for gather, glu in ((False, False), (True, False), (True, True)):
-            kern, nth = mm._mma_kernel(int(Q[name]), mm.TM, mm.TT_ID if gather else mm.TT,
-                                       mm.TM // 32 if glu else mm.WM, mm.WT, mm.KB, gather, False, glu)
+        for gather in (False, True):
+            kern, nth = mm._mma_kernel(int(Q[name]), mm.TM, mm.TT_ID if gather else mm.TT, mm.WM, mm.WT, mm.KB,
+                                       gather)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
-            sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:] + (w, types.int64, types.int64, types.float32[::1],
-                                                                  types.float32[::1], types.int64)
+            sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
             # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
             ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
             d = a.keep or tempfile.mkdtemp()
-            path = os.path.join(d, f"mma_{name}_{'glu' if glu else 'id' if gather else 'plain'}.ptx")
+            path = os.path.join(d, f"mma_{name}_{'id' if gather else 'plain'}.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
             r = subprocess.run([a.ptxas, "-arch=sm_90", "-v", path, "-o", path + ".cubin"],
@@ -77,7 +76,7 @@ def main():
             out = r.stderr + r.stdout
             info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
             n_mma = ptx.count("mma.sync")
-            print(f"{name:6s} {'glu  ' if glu else 'id   ' if gather else 'plain'} {nth} threads, {n_mma} mma in PTX: "
+            print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {n_mma} mma in PTX: "
                   f"{'OK' if r.returncode == 0 else 'FAILED'} {info}", flush=True)
             if r.returncode:
                 print(r.stderr[-2000:])

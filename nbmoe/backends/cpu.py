@@ -80,7 +80,7 @@ class Backend:
         T = graph.n_tokens
         self._groups = (find_groups(graph.nodes, self.name, T, lambda n: self.vec_ok(n, T),
                                     self.max_vec_t, self.fuse_kinds, self._weight_type,
-                                    self.route_ok, getattr(self, "max_glu_t", None))
+                                    self.route_ok)
                         if self.fuse_kinds else {})
 
     def route_ok(self, norm, router, topk):

@@ -169,7 +169,6 @@ class CUDABackend(FusionBinders, Backend):
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = _device_index(name)
         self.max_vec_t = matmul.MMV_MAX_T
-        self.max_glu_t = 1 << 30       # the experts' gate / up / GLU: prompts on the int8 MMA kernel
         cuda.select_device(self.device)
         self.context = cuda.current_context()
         _current_device[0] = self.device

@@ -166,14 +166,6 @@ class FusionBinders:
         wu = self.mul_mat_id_operands(up, buf)[1] if up else None
         bg, bu = self.expert_bias(members, gate), self.expert_bias(members, up)
         out, act, X, K = buf[glu.out], _act(self.fused, glu), x.shape[1], x.shape[2]
-        mm, T = self.mm, x.shape[0]
-        if T > mm.MMV_MAX_T:                 # a prompt: the int8 tensor-core kernel, pairs by expert
-            ready = self._x_ready(gate, buf, qtype, T * X, K)
-            grouped = self._grouped(gate, buf, ids, wg.shape[0], mm.id_tile(qtype, K, T))
-
-            def run_prompt():
-                mm.mul_mat_id_glu(out, wg, wu, x, ids, qtype, act, bg, bu, x_ready=ready, grouped=grouped)
-            return [None] * (len(members) - 1) + [_labelled(run_prompt, "MUL_MAT_ID_GLU")]
         x8, fused = self._x8(gate, buf, qtype, x), self.fused
 
         def run():

@@ -437,21 +437,6 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
                                                               K // 32)
 
 
-def mul_mat_id_glu(out, wg, wu, x, ids, qtype, act, bg=None, bu=None, stream=0, x_ready=False, grouped=False):
-    """out [T, A, F] = act(x @ Wg[e]^T + bg[e]) * (x @ Wu[e]^T + bu[e]) (ops.glu_pair), e = ids[t, a],
-    for prompts (T > MMV_MAX_T) of the int8 types (see quantizes_x); wu None: wg [E, 2F, RB] is
-    merged (-muge). Biases: None or float32 flat [E * rows of wg]."""
-    RB, K = _rb_k(wg, qtype)
-    if not (x.shape[0] > MMV_MAX_T and quantizes_x(qtype, x.shape[0], K)):
-        raise ValueError("mul_mat_id_glu: prompts of the int8 tensor-core types only")
-    n = wg.shape[0] * wg.shape[1]
-    bg, bu = (or_empty(b) for b in (bg, bu))
-    if any(b.size not in (0, n) for b in (bg, bu)):
-        raise ValueError(f"mul_mat_id_glu: biases of {bg.size} / {bu.size} values, expected {n} or none")
-    _mma.mul_mat_id_glu(out, wg, wu, x, ids, qtype, RB, K, act, bg.reshape(bg.size), bu.reshape(bu.size),
-                        stream, x_ready, grouped)
-
-
 def get_rows(out, w, ids, qtype, stream=0):
     """out [T, K] = dequant(w[ids[t]]) (embedding lookup); ids int32 [T] on the device."""
     RB, K = _rb_k(w, qtype)

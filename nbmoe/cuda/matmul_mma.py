@@ -20,9 +20,8 @@ the float scaling follows per block, so an int32 never sums more than 32 product
 import numpy as np
 from numba import cuda
 
-from . import SIM, as_f32, device_fn, empty, ld_f32, ld_i32, st_f32, st_i32
+from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
 from .matmul_tiled import group_by_expert, sum_splits, tile_slots
-from .ops import glu_pair
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
 from .quants import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, SIGN_BYTES, qtype_info
@@ -96,7 +95,7 @@ def i2f(c):
 #  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
 # Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
 
-def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     per16, has_m = int(qtype) in PER16, int(qtype) in HAS_M
@@ -107,8 +106,6 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
     WR, WC = TM // WM, TT // WT            # a warp's rows and slots
     MI, NJ = WR // 16, WC // 8             # its mma tiles
     assert MI * 16 * WM == TM and NJ * 8 * WT == TT
-    assert not glu or (gather and MI == 2)   # glu: a warp's two row tiles are gate and up rows
-    TO = TM // 2 if glu else TM            # output rows of a block
     KW = 8 * KB                            # words of a row in a K step
     S = KW + 4
     NS = 2 * KB if per16 else KB
@@ -124,8 +121,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
-        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, wu, ME, uoff, bg, bu,
-                               act):
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
@@ -135,11 +131,11 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
             xrow = cuda.shared.array(TT, i32)
             orow = cuda.shared.array(TT, i32)
             tid = cuda.threadIdx.x
-            r0 = cuda.blockIdx.x * TO
+            r0 = cuda.blockIdx.x * TM
             if gather and cuda.blockIdx.y >= tiles[0]:
                 return                               # the whole block: beyond the tile table
             rbase, nslots = tile_slots(xrow, orow, order, tiles, cuda.blockIdx.y, tid, NTH, TT, T,
-                                       ME, A, X, gather)
+                                       M, A, X, gather)
             lane = tid & 31
             warp = tid >> 5
             g = lane >> 2
@@ -186,12 +182,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
                 if kbu < nkb:
                     for i in range(NU):
                         rr = rr0 + RSTEP * i
-                        if glu:                         # tile rows: 16 gate rows, then the same 16 up rows
-                            up = (rr >> 4) & 1
-                            row = min(r0 + ((rr >> 5) << 4) + (rr & 15), M - 1) + uoff * up
-                            c0, c1, d, m4 = idec(wu if up else w, (rbase + row) * RB, kb0 + kbu, uu)
-                        else:
-                            c0, c1, d, m4 = idec(w, (rbase + min(r0 + rr, M - 1)) * RB, kb0 + kbu, uu)
+                        base = (rbase + min(r0 + rr, M - 1)) * RB
+                        c0, c1, d, m4 = idec(w, base, kb0 + kbu, uu)
                         if signed:
                             c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
                             c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
@@ -276,19 +268,6 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
             # [T, M] or [T, A, M] (C-contiguous) is rows of M: row orow[slot] (t, or p = t * A + a);
             # split-K: rows z * T + t of the parts [Z, T, M]
             zt = cuda.blockIdx.z * T if split_k else 0
-            if glu:                                  # row tile 0 gate, 1 up: out [T, A, M] = glu
-                for h in range(2):
-                    r = r0 + (rw >> 1) + g + 8 * h
-                    if r < M:
-                        b_g = bg[rbase + r] if bg.shape[0] > 0 else f32(0.0)
-                        b_u = bu[rbase + uoff + r] if bu.shape[0] > 0 else f32(0.0)
-                        for j in range(NJ):
-                            for e in range(2):
-                                o = orow[cw + 8 * j + 2 * t4 + e]
-                                if o >= 0:
-                                    v = glu_pair(acc[4 * j + 2 * h + e] + b_g, acc[4 * (NJ + j) + 2 * h + e] + b_u, act)
-                                    st_f32(out, o * M * 4, 4 * r, v)
-                return
             for i in range(MI):
                 for h in range(2):
                     r = r0 + rw + 16 * i + g + 8 * h
@@ -299,7 +278,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, glu=False):
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k, glu), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
@@ -315,13 +294,13 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
     Z = min(SPLIT_FILL * sm_count() // (gm * gt), nb // (SPLIT_MIN_STEPS * KB))
     if Z < 2:
         kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
-        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, *_plain(w, M))
+        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb)
         return
     kc = -(-nb // (Z * KB)) * KB                 # blocks of K a split: whole K steps
     Z = -(-nb // kc)
     part = buffer("mma_split_k", Z * T * M, np.float32)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
-    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, *_plain(w, M))
+    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc)
     sum_splits(out, part, Z, stream)
 
 
@@ -334,28 +313,4 @@ def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=Fa
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
     order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
     kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
-    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32,
-                                                     *_plain(w, M))
-
-
-def mul_mat_id_glu(out, wg, wu, x, ids, qtype, RB, K, act, bg, bu, stream=0, x_ready=False, grouped=False):
-    """out [T, A, F] = act(x @ Wg[e]^T + bg[e]) * (x @ Wu[e]^T + bu[e]), e = ids[t, a] (the GLU of
-    ops.glu_pair, act its code), in one kernel: a block's row tiles pair each 16 gate rows with
-    the same 16 up rows. wg [E, ME, RB]; wu None: wg is merged (-muge), each expert's F gate rows
-    then its F up rows (bg then too: [E * 2F]); biases flat float32 [E * ME] or size 0."""
-    E, ME = wg.shape[0], wg.shape[1]
-    T, A, F = out.shape
-    X = x.shape[1]
-    uoff = F if wu is None else 0
-    wu, bu = (wg, bg) if wu is None else (wu, bu)
-    xq, xds = quantize_x(x, T * X, K, stream, x_ready)
-    order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
-    kern, nth = _mma_kernel(qtype, TM, TT_ID, TM // 32, WT, KB, True, False, True)
-    kern[((F + TM // 2 - 1) // (TM // 2), n_tiles), nth, stream](out, wg, xq, xds, RB, K, T, F, order, tiles, A, X,
-                                                              K // 32, wu, ME, uoff, bg, bu, act)
-
-
-def _plain(w, M):
-    """The glu-only arguments of the kernel (wu, ME, uoff, bg, bu, act) for a plain product."""
-    e = empty()
-    return w, M, 0, e, e, 0
+    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32)

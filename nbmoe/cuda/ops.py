@@ -331,17 +331,6 @@ def _swiglu_oai(g, u):
     return x / (f32(1.0) + expf(-(_OAI_ALPHA * x))) * (y + f32(1.0))
 
 
-ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2     # the GLU kinds (swiglu, geglu, swiglu_oai)
-
-
-@device_fn
-def glu_pair(g, u, act):
-    """The GLU of one gate / up pair: act(g) * u, or gpt-oss's clamped form of both."""
-    if act == ACT_SWIGLU_OAI:
-        return _swiglu_oai(g, u)
-    return (_silu(g) if act == ACT_SILU else _gelu(g)) * u
-
-
 @cuda.jit
 def swiglu_oai_kernel(out, gate, up):
     F = out.shape[1]

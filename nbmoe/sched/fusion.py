@@ -77,10 +77,9 @@ def supported(node, backend):
 
 
 def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lambda node: None,
-                route_ok=lambda norm, router, topk: False, glu_max_t=None):
+                route_ok=lambda norm, router, topk: False):
     """{id(node): (kind, members)} for the nodes of `backend`. vec_ok(node): the node's
-    product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit
-    (glu_max_t, default max_t: the experts' gate / up / GLU kernel's, which may run prompts);
+    product runs on the fused kernels' path; max_t: the matrix-vector kernels' token limit;
     wtype(node): its weight's type as the backend stores it (the products of one group share
     it: a fused kernel takes one type); route_ok: whether a norm_route group can take these."""
     groups, i = {}, 0
@@ -88,8 +87,7 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
     while ENABLED and i < len(nodes):
         found = _match_block(nodes, i, backend, vec_ok, wtype) if blocks else None
         if found is None:
-            found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype, kinds, route_ok,
-                           max_t if glu_max_t is None else glu_max_t)
+            found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype, kinds, route_ok)
         if (found is None or found[0] not in kinds
                 or not all(supported(n, backend) for n in found[1])):
             i += 1
@@ -126,7 +124,7 @@ def _with_biases(nodes, j, prods):
     return run
 
 
-def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=None, glu_max_t=None):
+def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=None):
     def at(j):
         return nodes[i + j] if i + j < len(nodes) else None
 
@@ -160,7 +158,7 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             and n2.srcs == (n0.out, n1.out)):
         return "glu", [n0, n1, n2]
     # the experts' gate and up (or a merged gate_up, -muge), [their biases], GLU
-    if (T <= (max_t if glu_max_t is None else glu_max_t) and _product(n0, "MUL_MAT_ID", backend, vec_ok)
+    if (T <= max_t and _product(n0, "MUL_MAT_ID", backend, vec_ok)
             and n0.params.get("fused_op") == "MUL_MAT_ID_GLU"):
         prods = [n0, n1] if twin(n0, n1, "MUL_MAT_ID") else [n0]
         run = _with_biases(nodes, i + len(prods), prods)
