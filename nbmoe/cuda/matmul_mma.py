@@ -174,6 +174,15 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
             xj0 = tid // KW
             xsj0 = tid // KB
             xsk = tid % KB
+            # the x rows of the thread's slots, read from shared memory once: re-read in the K
+            # loop, each x load waited behind the shared store before it (they might alias)
+            xrs = cuda.local.array(NX, i32)
+            for i in range(NX):
+                xrs[i] = ld_i32(xrow, 0, 4 * (xj0 + JSTEP * i))
+            xss = cuda.local.array(NSX, i32)
+            for i in range(NSX):
+                xss[i] = ld_i32(xrow, 0, 4 * (xsj0 + SSTEP * i)) if xsj0 + SSTEP * i < TT else i32(-1)
+            xv = cuda.local.array(NX, i32)
             kbs = cuda.blockIdx.z * KC if split_k else 0       # split-K: this block's blocks of K
             kbe = min(nb, kbs + KC)
             for kb0 in range(kbs, kbe, KB):
@@ -194,17 +203,14 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
                             if has_m:                   # (never per16: asserted above)
                                 st_f32(wm, 0, msa + 4 * RSTEP * i, f32(4.0) * m4)   # idec: m / 4
                 xok = (xw >> 3) < nkb
+                for i in range(NX):                  # all loads first, then the stores
+                    xv[i] = ld_i32(xq, xrs[i] * K, 4 * (8 * kb0 + xw)) if xrs[i] >= 0 and xok else i32(0)
                 for i in range(NX):
-                    j = xj0 + JSTEP * i
-                    xr = ld_i32(xrow, 0, 4 * j)
-                    v = i32(0)
-                    if xr >= 0 and xok:
-                        v = ld_i32(xq, xr * K, 4 * (8 * kb0 + xw))
-                    st_i32(xc, 0, 4 * (j * S + xw), v)
+                    st_i32(xc, 0, 4 * ((xj0 + JSTEP * i) * S + xw), xv[i])
                 for i in range(NSX):
                     xsj = xsj0 + SSTEP * i
                     if xsj < TT:
-                        xr = ld_i32(xrow, 0, 4 * xsj)
+                        xr = xss[i]
                         ok = xr >= 0 and xsk < nkb
                         xd[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk)) if ok else f32(0.0)
                         xsum[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk) + 4) if ok else f32(0.0)
