@@ -81,6 +81,11 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather, split_k=False):
     SR = TM // RM              # threads along rows
     NTH = SR * (TT // RT)      # threads in the block
     ACC = RM * RT              # (local and shared array shapes must be plain constants)
+    NXW = max(1, TT * 32 // NTH)   # x values a thread loads a K block
+    # Re-read from shared memory after each shared store, a thread's x row indices make its x
+    # loads wait one behind the other; in registers the loads go out together, but for the
+    # large tiles (16 each) that took 128-153 registers to 216-237.
+    X_IN_REGS = NTH % 32 == 0 and NXW * NTH == TT * 32 and NXW <= 8
     WS, XS = (TM, 33), (TT, 33)
     store = _store_pair if gather else _store_token
 
@@ -104,6 +109,10 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather, split_k=False):
             for i in range(ACC):
                 acc[i] = f32(0.0)
             cuda.syncthreads()
+            # the x rows of the thread's slots in registers for the whole K loop (X_IN_REGS)
+            xrs = cuda.local.array(NXW, i32)
+            for i in range(NXW):
+                xrs[i] = xrow[(tid + i * NTH) // 32] if X_IN_REGS else i32(0)
             kb0 = cuda.blockIdx.z * KC if split_k else 0
             for kb in range(kb0, min(K // 32, kb0 + KC)):
                 for n in range(tid, TM * 4, NTH):     # decode: one unit a thread
@@ -120,11 +129,17 @@ def tiled_kernel(qtype, TM, TT, RM, RT, gather, split_k=False):
                     ws[rr, i1 + 1] = v5
                     ws[rr, i1 + 2] = v6
                     ws[rr, i1 + 3] = v7
-                for n in range(tid, TT * 32, NTH):    # x: coalesced 32-float rows
-                    j = n // 32
-                    kk = n - 32 * j
-                    xr = xrow[j]
-                    xs[j, kk] = ld_f32(x, xr * K * 4, 4 * (kb * 32 + kk)) if xr >= 0 else f32(0.0)
+                if X_IN_REGS:                         # x: coalesced 32-float rows
+                    for i in range(NXW):
+                        xr = xrs[i]
+                        xs[(tid + i * NTH) // 32, tid % 32] = (ld_f32(x, xr * K * 4, 4 * (kb * 32 + tid % 32))
+                                                               if xr >= 0 else f32(0.0))
+                else:
+                    for n in range(tid, TT * 32, NTH):
+                        j = n // 32
+                        kj = n - 32 * j
+                        xr = xrow[j]
+                        xs[j, kj] = ld_f32(x, xr * K * 4, 4 * (kb * 32 + kj)) if xr >= 0 else f32(0.0)
                 cuda.syncthreads()
                 for kk in range(32):
                     for i in range(RM):
