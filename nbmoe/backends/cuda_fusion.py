@@ -53,6 +53,8 @@ class FusionBinders:
         return run
 
     def bind_rms_norm(self, node, buf, state):
+        if "cols" in node.params:          # a window of each head: the plain kernel
+            return super().bind_rms_norm(node, buf, state)
         w, eps, ops, x8, cell = self.vector(node.weight), node.params["eps"], self.ops, self.x8, {}
         n = w.shape[0]
         x, out = buf[node.srcs[0]], buf[node.out]

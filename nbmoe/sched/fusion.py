@@ -71,7 +71,10 @@ FUSED_SUPPORT = {
 
 
 def supported(node, backend):
-    """Does backend's fused kernels compute this node's variant?"""
+    """Does backend's fused kernels compute this node's variant? (Not a column window of each
+    head, params cols: the fused kernels take whole rows.)"""
+    if "cols" in node.params:
+        return False
     test = FUSED_SUPPORT["CPU" if backend == "CPU" else "CUDA"].get(node.op)
     return test is None or test(node)
 
