@@ -234,3 +234,21 @@ def test_windows_of_heads(small):
     got = d.copy_to_host()
     check("rope_into window", got[:, :, 20:20 + n], naive.rope(q[:, :, 24:24 + n], pos, n, 10000.0, True))
     assert np.array_equal(np.delete(got, np.s_[20:20 + n], 2), np.delete(out, np.s_[20:20 + n], 2))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_mla_rope(neox, small):
+    """norm_rope.mla_rope, one launch: q''s roped part from q's window, the cache row's latent
+    normed and its key part roped in place; columns outside the windows untouched."""
+    from nbmoe.cuda.norm_rope import mla_rope
+    T, H, Dn, Dr, R = 2, 3, 8, 8, 40
+    q, qm, kv, w = rnd(T, H, Dn + Dr, seed=1), rnd(T, H, R + Dr, seed=2), rnd(T, 1, R + Dr, seed=3), rnd(R, seed=4)
+    pos = np.array([5, 3000], np.int32)
+    dq, dqm, dkv = dev(q), dev(qm), dev(kv)
+    mla_rope(dqm[:, :, R:], dq[:, :, Dn:], dkv[:, :, :R], dkv[:, :, R:], dev(pos), dev(w), 1e-6,
+             rope_freqs(Dr, 10000.0), 1.0, neox)
+    got_qm, got_kv = dqm.copy_to_host(), dkv.copy_to_host()
+    check("mla_rope q'", got_qm[:, :, R:], naive.rope(q[:, :, Dn:], pos, Dr, 10000.0, neox))
+    check("mla_rope latent", got_kv[:, :, :R], naive.rms_norm(kv[:, :, :R], w, 1e-6))
+    check("mla_rope k_pe", got_kv[:, :, R:], naive.rope(kv[:, :, R:], pos, Dr, 10000.0, neox))
+    assert np.array_equal(got_qm[:, :, :R], qm[:, :, :R]) and np.array_equal(dq.copy_to_host(), q)

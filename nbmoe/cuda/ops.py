@@ -231,7 +231,13 @@ def rope_kernel(out, x, pos, freqs, mscale, neox):
     t = idx // (H * half)
     rem = idx - t * H * half
     h = rem // half
-    i = rem - h * half
+    rope_pair(out, x, t, h, rem - h * half, pos, freqs, mscale, neox)
+
+
+@device_fn
+def rope_pair(out, x, t, h, i, pos, freqs, mscale, neox):
+    """Pair i of head h of token t: out[t, h] <- its rotation of x[t, h] (out may be x)."""
+    half = freqs.shape[0]
     theta = float(pos[t]) * freqs[i]
     c = f32(mscale * math.cos(theta))
     s = f32(mscale * math.sin(theta))
