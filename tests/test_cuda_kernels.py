@@ -228,8 +228,9 @@ def test_group_by_expert_table(E, TT):
 @pytest.mark.parametrize("name,T", [("Q8_0", 1), ("F32", 1), ("Q8_0", 3)])
 def test_mul_mat_heads_windows(name, T, small, monkeypatch):
     """out[t, h, 5:5+M] = w[h] @ x[t, h, 8:8+K], x and out views of wider heads: the 8-bit
-    matrix-vector path reads and writes the windows in place (Q8_0, T = 1), the others on
-    copies (F32; Q8_0 past MMV_MAX_T); every column outside out's window untouched."""
+    matrix-vector path reads and writes the windows in place (Q8_0, T = 1), the float one
+    reads a copy of x (F32), the prompt path copies both (Q8_0 past MMV_MAX_T); every column
+    outside out's window untouched."""
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
     H, M, K, W = 3, 11, 64, 80
     w, wref = quantize(rnd(H, M, K, seed=12), name)

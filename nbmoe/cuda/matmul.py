@@ -441,11 +441,12 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
 def mul_mat_heads(out, w, x, ids, qtype, stream=0):
     """mul_mat_id where x [T, H, K] and out [T, H, M] may be column windows of wider heads
     (views, rows strided: MLA's k_b, v_b products). Decoding's 8-bit matrix-vector path
-    quantizes x's window and writes out's in place; the other paths read x and write out as
-    contiguous rows, so they take copies."""
+    quantizes x's window and writes out's in place; the float matrix-vector path reads a copy
+    of x, the prompt paths read and write copies (they take contiguous rows)."""
     RB, K = _rb_k(w, qtype)
     T, X, M = x.shape[0], x.shape[1], out.shape[2]
-    if T <= MMV_MAX_T and _int8(qtype, K):
+    vec = T <= MMV_MAX_T or K % 32 != 0      # mul_mat_id's matrix-vector kernels: out[t, a, r]
+    if vec and _int8(qtype, K):
         quantize_x_view(x, stream)
         mul_mat_id(out, w, x, ids, qtype, stream, x_ready=True)
         return
@@ -453,7 +454,7 @@ def mul_mat_heads(out, w, x, ids, qtype, stream=0):
     if not x.is_c_contiguous():
         xc = buffer("heads_x", T * X * K, np.float32)[:T * X * K].reshape(T, X, K)
         copy_cols(xc, x, 0, 0, K, stream)
-    if not out.is_c_contiguous():
+    if not vec and not out.is_c_contiguous():
         oc = buffer("heads_out", T * X * M, np.float32)[:T * X * M].reshape(T, X, M)
     mul_mat_id(oc, w, xc, ids, qtype, stream)
     if oc is not out:

@@ -226,6 +226,8 @@ def mla_rope(qo, qi, lat, kpe, pos, w, eps, freqs, mscale, neox, stream=0):
     """qo = rope(qi) (q_pe into q'), then the cache row in place: lat = rms_norm(lat) * w,
     kpe = rope(kpe); views [T, H, Dr], [T, H, Dr], [T, 1, R], [T, 1, Dr] (see above)."""
     T, H = qi.shape[0], qi.shape[1]
+    if lat.shape[1] != 1 or kpe.shape[1] != 1 or qo.shape != qi.shape:
+        raise ValueError(f"mla_rope: q' {qo.shape}, q {qi.shape}, cache row {lat.shape} + {kpe.shape}")
     nth = 32 * min(NORM_THREADS // 32, max(1, (lat.shape[2] + 255) // 256))
     if T:
         mla_rope_kernel[T * H + T, nth, stream](qo, qi, lat, kpe, pos, w, float(eps),
