@@ -351,3 +351,32 @@ def test_sum_pairs(T):
         out = np.full((T, 48), 7.0, np.float32)
         fn(out, y, have, starts)
         assert max_rel(out, ref) < RTOL
+
+
+# ---------------------------------------------------------------- column windows of heads
+
+def test_windows_of_heads():
+    """MLA's head parts (cpu/windows.py): rms_norm of a window of each head in place, rope of
+    one window into another buffer's, a per-head product from a window into a window (F32
+    weights); every column outside the windows untouched."""
+    from nbmoe.cpu import matmul
+    T, H, W, n = 3, 2, 40, 16
+    kv, wn = rnd(T, 1, W, seed=1, scale=2.0), rnd(24, seed=2)
+    row = kv.copy()
+    ops.rms_norm_rows(row.reshape(T, W)[:, 4:28], row.reshape(T, W)[:, 4:28], wn, 1e-6)
+    assert max_rel(row[:, :, 4:28], naive.rms_norm(kv[:, :, 4:28], wn, 1e-6)) < RTOL
+    assert np.array_equal(row[:, :, :4], kv[:, :, :4]) and np.array_equal(row[:, :, 28:], kv[:, :, 28:])
+    q, out = rnd(T, H, W, seed=3), rnd(T, H, W, seed=4)
+    pos = np.array([0, 7, 4000], np.int32)
+    got = out.copy()
+    ops.rope_into(got[:, :, 20:20 + n], q[:, :, 24:24 + n], pos, ops.rope_freqs(n, 10000.0), 1.0, True)
+    assert max_rel(got[:, :, 20:20 + n], naive.rope(q[:, :, 24:24 + n], pos, n, 10000.0, True)) < RTOL
+    assert np.array_equal(np.delete(got, np.s_[20:20 + n], 2), np.delete(out, np.s_[20:20 + n], 2))
+    M, K = 9, 24
+    w = rnd(H, M, K, seed=5)
+    ids = np.tile(np.arange(H, dtype=np.int32), (T, 1))
+    got = out.copy()
+    matmul.mul_mat_heads(got[:, :, 3:3 + M], w.view(np.uint8), q[:, :, 8:8 + K], ids, 0)   # 0: F32
+    ref = np.einsum("hmk,thk->thm", w.astype(np.float64), q[:, :, 8:8 + K].astype(np.float64))
+    assert max_rel(got[:, :, 3:3 + M], ref) < RTOL
+    assert np.array_equal(np.delete(got, np.s_[3:3 + M], 2), np.delete(out, np.s_[3:3 + M], 2))

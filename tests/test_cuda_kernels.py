@@ -221,3 +221,24 @@ def test_group_by_expert_table(E, TT):
     for e in range(E):
         got = np.sort(order[start[e]:start[e] + cnt[e]])
         assert np.array_equal(got, np.flatnonzero(ids.ravel() == e))
+
+
+# ---------------------------------------------------------------- mul_mat_heads (MLA)
+
+@pytest.mark.parametrize("name,T", [("Q8_0", 1), ("F32", 1), ("Q8_0", 3)])
+def test_mul_mat_heads_windows(name, T, small, monkeypatch):
+    """out[t, h, 5:5+M] = w[h] @ x[t, h, 8:8+K], x and out views of wider heads: the 8-bit
+    matrix-vector path reads and writes the windows in place (Q8_0, T = 1), the float one
+    reads a copy of x (F32), the prompt path copies both (Q8_0 past MMV_MAX_T); every column
+    outside out's window untouched."""
+    monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
+    H, M, K, W = 3, 11, 64, 80
+    w, wref = quantize(rnd(H, M, K, seed=12), name)
+    x = rnd(T, H, W, seed=13)
+    ids = np.tile(np.arange(H, dtype=np.int32), (T, 1))
+    out = poisoned((T, H, 20))
+    matmul.mul_mat_heads(out[:, :, 5:5 + M], dev(w), dev(x)[:, :, 8:8 + K], dev(ids), int(Q[name]))
+    got = out.copy_to_host()
+    check_x8(f"mul_mat_heads {name} T={T}", got[:, :, 5:5 + M], x[:, :, 8:8 + K],
+             lambda x_: mul_mat_id_ref(wref, x_, ids), name == "Q8_0" and T == 1)
+    assert np.isnan(np.delete(got, np.s_[5:5 + M], 2)).all()

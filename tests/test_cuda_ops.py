@@ -209,3 +209,46 @@ def test_moe_combine(small):
     out = poisoned((T, D))
     moe.moe_combine(out, dev(y), dev(wts))
     check("moe_combine", out.copy_to_host(), naive.moe_combine(y, wts))
+
+
+# ---------------------------------------------------------------- column windows of heads
+
+def test_windows_of_heads(small):
+    """MLA's head parts as views of wider heads: rms_norm_rows of a window in place (a cache
+    row's latent), rope_into from q's window into another buffer's (q_pe into q'), in place on
+    a window (k_pe); every column outside the windows untouched."""
+    T, H, W, n = 3, 2, 40, 16
+    kv, wn = rnd(T, 1, W, seed=1, scale=2.0), rnd(20, seed=2)
+    d = dev(kv)
+    rows = d.reshape(T, W)[:, 4:24]
+    ops.rms_norm_rows(rows, rows, dev(wn), 1e-6)
+    pos = np.array([0, 7, 4000], np.int32)
+    ops.rope_into(d[:, :, 24:24 + n], d[:, :, 24:24 + n], dev(pos), rope_freqs(n, 10000.0), 1.0, False)
+    got = d.copy_to_host()
+    check("rms_norm_rows window", got[:, :, 4:24], naive.rms_norm(kv[:, :, 4:24], wn, 1e-6))
+    check("rope in place window", got[:, :, 24:], naive.rope(kv[:, :, 24:], pos, n, 10000.0, False))
+    assert np.array_equal(got[:, :, :4], kv[:, :, :4])
+    q, out = rnd(T, H, W, seed=3), rnd(T, H, W, seed=4)
+    d = dev(out)
+    ops.rope_into(d[:, :, 20:20 + n], dev(q)[:, :, 24:24 + n], dev(pos), rope_freqs(n, 10000.0), 1.0, True)
+    got = d.copy_to_host()
+    check("rope_into window", got[:, :, 20:20 + n], naive.rope(q[:, :, 24:24 + n], pos, n, 10000.0, True))
+    assert np.array_equal(np.delete(got, np.s_[20:20 + n], 2), np.delete(out, np.s_[20:20 + n], 2))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_mla_rope(neox, small):
+    """norm_rope.mla_rope, one launch: q''s roped part from q's window, the cache row's latent
+    normed and its key part roped in place; columns outside the windows untouched."""
+    from nbmoe.cuda.norm_rope import mla_rope
+    T, H, Dn, Dr, R = 2, 3, 8, 8, 40
+    q, qm, kv, w = rnd(T, H, Dn + Dr, seed=1), rnd(T, H, R + Dr, seed=2), rnd(T, 1, R + Dr, seed=3), rnd(R, seed=4)
+    pos = np.array([5, 3000], np.int32)
+    dq, dqm, dkv = dev(q), dev(qm), dev(kv)
+    mla_rope(dqm[:, :, R:], dq[:, :, Dn:], dkv[:, :, :R], dkv[:, :, R:], dev(pos), dev(w), 1e-6,
+             rope_freqs(Dr, 10000.0), 1.0, neox)
+    got_qm, got_kv = dqm.copy_to_host(), dkv.copy_to_host()
+    check("mla_rope q'", got_qm[:, :, R:], naive.rope(q[:, :, Dn:], pos, Dr, 10000.0, neox))
+    check("mla_rope latent", got_kv[:, :, :R], naive.rms_norm(kv[:, :, :R], w, 1e-6))
+    check("mla_rope k_pe", got_kv[:, :, R:], naive.rope(kv[:, :, R:], pos, Dr, 10000.0, neox))
+    assert np.array_equal(got_qm[:, :, :R], qm[:, :, :R]) and np.array_equal(dq.copy_to_host(), q)

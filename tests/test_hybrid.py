@@ -364,7 +364,7 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
 
 
 def test_fused_moe_op_switch(model):
-    """-fmoe 1: the experts' gate and up (MUL_MAT_ID_GLU, op id 16) have an -op switch of
+    """-fmoe 1: the experts' gate and up (MUL_MAT_ID_GLU, op id 15) have an -op switch of
     their own, at the expert threshold: off, they stay on the CPU for a batch of 64 while the
     down product is offloaded, and --explain names the op. -fmoe 0: MUL_MAT_ID's switch."""
     import io

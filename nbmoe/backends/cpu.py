@@ -20,6 +20,14 @@ def _heads(a):
     return a if len(a.shape) == 3 else a.reshape(a.shape[0], 1, a.shape[1])
 
 
+def _window(a, lo, n, rows=False):
+    """Columns lo..lo+n-1 of every head of buffer a (a node's params cols / at: MLA's head
+    parts) as a view [T, H, n], or (rows) [T * H, n]; the whole buffer if that is all of it."""
+    Dh = a.shape[len(a.shape) - 1]
+    a = a.reshape(a.size // Dh, Dh) if rows else _heads(a)
+    return a if (lo, n) == (0, Dh) else a[:, lo:lo + n] if rows else a[:, :, lo:lo + n]
+
+
 def chosen_slots(node, a):
     """a [T, A] (the chosen expert ids or weights) as the node reads it: columns lo..hi-1 for
     a node that computes only those chosen-expert slots (param `slots`: model.moe_ffn's split
@@ -107,6 +115,10 @@ class Backend:
     def bind_rms_norm(self, node, buf, state):
         w = self.vector(node.weight)
         n = w.shape[0]
+        if "cols" in node.params:    # a window of each head (MLA's latent in its cache row)
+            lo, at, eps, ops = node.params["cols"][0], node.params["at"], node.params["eps"], self.ops
+            x, out = _window(buf[node.srcs[0]], lo, n, True), _window(buf[node.out], at, n, True)
+            return lambda: ops.rms_norm_rows(out, x, w, eps)
         x = buf[node.srcs[0]]
         if "src_rows" in node.params:
             lo, hi = node.params["src_rows"]
@@ -142,6 +154,10 @@ class Backend:
     def bind_rope(self, node, buf, state):
         x, pos, p, ops = buf[node.out], buf[node.srcs[1]], node.params, self.ops
         freqs, mscale, neox = np.asarray(p["freqs"], np.float64), float(p["mscale"]), p["neox"]
+        if "cols" in p:              # src's window into out's (MLA's roped query and key parts)
+            (lo, hi), at = p["cols"], p["at"]
+            src, out = _window(buf[node.srcs[0]], lo, hi - lo), _window(buf[node.out], at, hi - lo)
+            return lambda: ops.rope_into(out, src, pos, freqs, mscale, neox)
         return lambda: ops.rope(x, pos, freqs, mscale, neox)
 
     def sinks(self, node):
@@ -261,17 +277,15 @@ class Backend:
         return a
 
     def bind_mul_mat_heads(self, node, buf, state):
-        # head h's rows through matrix h: an expert product whose "chosen expert" is the head
+        # head h's rows through matrix h: an expert product whose "chosen expert" is the head;
+        # x and out may be column windows (params cols, at: MLA's q_nope, q', attention's latent)
         w, qtype = self.weight(node.weight)                                  # [H, M, row_bytes]
-        out, x = buf[node.out], buf[node.srcs[0]]                             # [T, H, M], [T, H, K]
+        x, out, M = buf[node.srcs[0]], buf[node.out], int(self.tensors[node.weight].ne[1])
+        (lo, hi), at = node.params.get("cols", (0, x.shape[len(x.shape) - 1])), node.params.get("at", 0)
+        x, out = _window(x, lo, hi - lo), _window(out, at, M)
         ids = self.constant(np.tile(np.arange(x.shape[1], dtype=np.int32), (x.shape[0], 1)))
         mm = self.mm
-        return lambda: mm.mul_mat_id(out, w, x, ids, qtype)
-
-    def bind_slice(self, node, buf, state):
-        out, src = (_heads(buf[n]) for n in (node.out, node.srcs[0]))
-        (lo, hi), at, ops = node.params["cols"], node.params.get("at", 0), self.ops
-        return lambda: ops.copy_cols(out, src, at, lo, hi - lo)
+        return lambda: mm.mul_mat_heads(out, w, x, ids, qtype)
 
     def bind_sigmoid_mul(self, node, buf, state):
         out, x, g = (_rows2d(buf[n]) for n in (node.out,) + node.srcs)

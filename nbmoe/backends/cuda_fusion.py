@@ -18,7 +18,7 @@ one the group's binder leaves).
 """
 import numpy as np
 
-from nbmoe.backends.cpu import _act, _labelled, _rows2d, chosen_slots, expert_glu, kv_types
+from nbmoe.backends.cpu import _act, _labelled, _rows2d, _window, chosen_slots, expert_glu, kv_types
 from nbmoe.sched import fusion
 
 
@@ -53,6 +53,8 @@ class FusionBinders:
         return run
 
     def bind_rms_norm(self, node, buf, state):
+        if "cols" in node.params:          # a window of each head: the plain kernel
+            return super().bind_rms_norm(node, buf, state)
         w, eps, ops, x8, cell = self.vector(node.weight), node.params["eps"], self.ops, self.x8, {}
         n = w.shape[0]
         x, out = buf[node.srcs[0]], buf[node.out]
@@ -241,6 +243,19 @@ class FusionBinders:
         if mirror is not None:                # the CPU reads these next: it may wait for a flag
             run.signal = signal
         return [None] * (len(members) - 1) + [_labelled(run, "RMS_NORM+MUL_MAT+TOPK_MOE")]
+
+    def _bind_mla_rope(self, members, buf, state):
+        rq, norm, rk = members
+        (qlo, qhi), nlo, klo = rq.params["cols"], norm.params["cols"][0], rk.params["cols"][0]
+        Dr, R = qhi - qlo, norm.params["cols"][1] - nlo
+        qi, qo = _window(buf[rq.srcs[0]], qlo, Dr), _window(buf[rq.out], rq.params["at"], Dr)
+        lat, kpe = _window(buf[norm.out], nlo, R), _window(buf[rk.out], klo, Dr)
+        w, eps, pos, p = self.vector(norm.weight), norm.params["eps"], buf[rq.srcs[1]], rq.params
+        norm_rope = self.norm_rope
+
+        def run():
+            norm_rope.mla_rope(qo, qi, lat, kpe, pos, w, eps, p["freqs"], p["mscale"], p["neox"])
+        return [None, None, _labelled(run, "ROPE+RMS_NORM+ROPE")]
 
     def _bind_rope_attn(self, members, buf, state):
         attn_node, rope = members[-1], members[-2]

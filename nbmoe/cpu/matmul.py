@@ -554,4 +554,6 @@ def dequantize(w, qtype):
     _dequant_rows(out, rows, int(qtype))
     return out.reshape(w.shape[:-1] + (K,))
 
+from nbmoe.cpu.windows import mul_mat_heads  # noqa: E402,F401  (MLA's k_b, v_b: column windows)
+
 # The benchmark of these kernels is tools/bench_kernels.py.

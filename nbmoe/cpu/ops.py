@@ -24,8 +24,6 @@ from nbmoe.model.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 # microseconds, and on a busy machine can wait a scheduler tick at its end barrier.
 PAR_MIN_ELEMS = 1 << 15
 
-from nbmoe.cpu.copy_cols import copy_cols  # noqa: E402,F401  (SLICE's kernel, for the backends)
-
 # "None" for an optional vector (attention sinks, a router's selection bias): size 0, and
 # read-only so that it has the Numba type of the GGUF's (mmap) vectors: one compile for both.
 EMPTY = np.zeros(0, np.float32)
@@ -583,3 +581,6 @@ def softmax_rows(x):
         _softmax_par(x)
     else:
         _softmax_seq(x)
+
+
+from nbmoe.cpu.windows import rms_norm_rows, rope_into  # noqa: E402,F401  (column windows)

@@ -35,9 +35,10 @@ from . import SIM, device_fn, ld_f32, or_empty, warp_sum
 from . import matmul_mma as _mma
 from .matmul_tiled import group_by_expert, sum_splits, tiled_kernel
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
+from .ops import copy_cols
 from .quants import qtype_info, row_values, unit_cols  # noqa: F401  (row_values: for backends)
 from .scratch import buffer, cached
-from .x8 import quantize_x
+from .x8 import quantize_x, quantize_x_view
 
 f32 = np.float32
 i32 = np.int32
@@ -435,6 +436,29 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
     kern, nth = tiled_kernel(qtype, TILE_M, TT, TILE_RM, TILE_RT, True)
     kern[((M + TILE_M - 1) // TILE_M, max_tiles), nth, stream](out, w, x, RB, K, T, M, order, tiles, A, X,
                                                               K // 32)
+
+
+def mul_mat_heads(out, w, x, ids, qtype, stream=0):
+    """mul_mat_id where x [T, H, K] and out [T, H, M] may be column windows of wider heads
+    (views, rows strided: MLA's k_b, v_b products). Decoding's 8-bit matrix-vector path
+    quantizes x's window and writes out's in place; the float matrix-vector path reads a copy
+    of x, the prompt paths read and write copies (they take contiguous rows)."""
+    RB, K = _rb_k(w, qtype)
+    T, X, M = x.shape[0], x.shape[1], out.shape[2]
+    vec = T <= MMV_MAX_T or K % 32 != 0      # mul_mat_id's matrix-vector kernels: out[t, a, r]
+    if vec and _int8(qtype, K):
+        quantize_x_view(x, stream)
+        mul_mat_id(out, w, x, ids, qtype, stream, x_ready=True)
+        return
+    xc, oc = x, out
+    if not x.is_c_contiguous():
+        xc = buffer("heads_x", T * X * K, np.float32)[:T * X * K].reshape(T, X, K)
+        copy_cols(xc, x, 0, 0, K, stream)
+    if not vec and not out.is_c_contiguous():
+        oc = buffer("heads_out", T * X * M, np.float32)[:T * X * M].reshape(T, X, M)
+    mul_mat_id(oc, w, xc, ids, qtype, stream)
+    if oc is not out:
+        copy_cols(out, oc, 0, 0, M, stream)
 
 
 def get_rows(out, w, ids, qtype, stream=0):

@@ -1,5 +1,5 @@
 """RMS norm of q and k, RoPE, and the new k, v rows written to the cache: the attention
-half's per-head work before the scores, one launch for T tokens.
+half's per-head work before the scores, one launch for T tokens (MLA's: mla_rope).
 
 Decoding folds the same work into the attention launch (attention.rope_attention), built from
 the same device functions (head_rope_fns), so both paths produce the same bits.
@@ -10,6 +10,7 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, device_id, warp_sum
+from .ops import NORM_THREADS, _block_sum, constant, rope_pair
 from .scratch import cached
 
 f32 = np.float32
@@ -186,3 +187,49 @@ def norm_rope_store(q, k, v, k_cache, v_cache, pos, wq, wk, eps, freqs, mscale, 
         (T, (n + ROPE_WARPS - 1) // ROPE_WARPS), (32, ROPE_WARPS), stream](
         q, k, v, k_cache, write_view(k_cache), v_cache, write_view(v_cache), pos, wq, wk, float(eps),
         do_norm, 2 * len(freqs), bool(neox), rope_table(k_cache.shape[0], freqs, mscale))
+
+
+# ---------------------------------------------------------------- mla_rope
+# MLA's per-token work before the scores (model/forward.py's mla_attention), one launch; the
+# operands are column windows of wider heads (views): qi, qo [T, H, Dr] (q_pe, q''s roped
+# part), lat [T, 1, R], kpe [T, 1, Dr] (the cache row's latent and roped key part).
+#   block b < T * H:  qo[t, h] = rope(qi[t, h]), (t, h) = divmod(b, H);
+#   block T * H + t:  lat[t] <- lat[t] / sqrt(mean(lat[t]^2) + eps) * w, kpe[t] <- rope(kpe[t]).
+# A thread per pair or latent column, strided: the math of ops.rope_kernel and rms_norm_kernel.
+
+@cuda.jit
+def mla_rope_kernel(qo, qi, lat, kpe, pos, w, eps, freqs, mscale, neox):
+    sh = cuda.shared.array(32, f32)
+    T, H = qi.shape[0], qi.shape[1]
+    b, tid, nth = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    half = freqs.shape[0]
+    if b < T * H:
+        t = b // H
+        for i in range(tid, half, nth):
+            rope_pair(qo, qi, t, b - t * H, i, pos, freqs, mscale, neox)
+        return
+    t = b - T * H
+    n = lat.shape[2]
+    ss = f32(0.0)
+    for i in range(tid, n, nth):
+        v = lat[t, 0, i]
+        ss += v * v
+    ss = _block_sum(ss, sh)
+    scale = f32(1.0 / math.sqrt(float(ss) / n + eps))
+    for i in range(tid, n, nth):
+        lat[t, 0, i] = lat[t, 0, i] * scale * w[i]
+    for i in range(tid, half, nth):
+        rope_pair(kpe, kpe, t, 0, i, pos, freqs, mscale, neox)
+
+
+def mla_rope(qo, qi, lat, kpe, pos, w, eps, freqs, mscale, neox, stream=0):
+    """qo = rope(qi) (q_pe into q'), then the cache row in place: lat = rms_norm(lat) * w,
+    kpe = rope(kpe); views [T, H, Dr], [T, H, Dr], [T, 1, R], [T, 1, Dr] (see above)."""
+    T, H = qi.shape[0], qi.shape[1]
+    if lat.shape[1] != 1 or kpe.shape[1] != 1 or qo.shape != qi.shape:
+        raise ValueError(f"mla_rope: q' {qo.shape}, q {qi.shape}, cache row {lat.shape} + {kpe.shape}")
+    nth = 32 * min(NORM_THREADS // 32, max(1, (lat.shape[2] + 255) // 256))
+    if T:
+        mla_rope_kernel[T * H + T, nth, stream](qo, qi, lat, kpe, pos, w, float(eps),
+                                                constant(np.asarray(freqs, np.float64)),
+                                                float(mscale), bool(neox))

@@ -176,6 +176,12 @@ def rms_norm(out, x, w, eps, stream=0, add=None, xq=None, xds=None):
                                                      xq, xds, quant)
 
 
+def rms_norm_rows(out, x, w, eps, stream=0):
+    """rms_norm of each row of x [N, n] into out; the rows may be strided (column windows of
+    wider heads: MLA's latent in its cache row), which rms_norm's kernels index as they are."""
+    rms_norm(out, x, w, eps, stream)
+
+
 # ---------------------------------------------------------------- add, scale
 # out = a + b, out = x * s element-wise over flat arrays; out may alias an input.
 
@@ -208,14 +214,15 @@ def scale(out, x, s, stream=0):
 
 
 # ---------------------------------------------------------------- rope
-# x[T, H, Dh] in place; pos[T] int32. Pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with
+# x[T, H, Dh] in place, or out = rope(x) (rope_into: column windows of wider heads, views);
+# pos[T] int32. Pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos) with
 #   theta_i = pos * freqs[i],  i < n_rot / 2  (freqs: cpu/ops.py rope_freqs, or YaRN's),
 # cos and sin times mscale; normal mode pairs dims (2i, 2i+1), NeoX mode (i, i + n_rot/2).
 # The angle, cos and sin in float64 (positions reach 1e5, where a float32 angle is off by
 # ~1e-2 rad), as on the CPU. One thread per (token, head, pair).
 
 @cuda.jit
-def rope_kernel(x, pos, freqs, mscale, neox):
+def rope_kernel(out, x, pos, freqs, mscale, neox):
     half = freqs.shape[0]
     H = x.shape[1]
     idx = cuda.grid(1)
@@ -224,7 +231,13 @@ def rope_kernel(x, pos, freqs, mscale, neox):
     t = idx // (H * half)
     rem = idx - t * H * half
     h = rem // half
-    i = rem - h * half
+    rope_pair(out, x, t, h, rem - h * half, pos, freqs, mscale, neox)
+
+
+@device_fn
+def rope_pair(out, x, t, h, i, pos, freqs, mscale, neox):
+    """Pair i of head h of token t: out[t, h] <- its rotation of x[t, h] (out may be x)."""
+    half = freqs.shape[0]
     theta = float(pos[t]) * freqs[i]
     c = f32(mscale * math.cos(theta))
     s = f32(mscale * math.sin(theta))
@@ -236,8 +249,8 @@ def rope_kernel(x, pos, freqs, mscale, neox):
         i1 = 2 * i + 1
     x0 = x[t, h, i0]
     x1 = x[t, h, i1]
-    x[t, h, i0] = x0 * c - x1 * s
-    x[t, h, i1] = x0 * s + x1 * c
+    out[t, h, i0] = x0 * c - x1 * s
+    out[t, h, i1] = x0 * s + x1 * c
 
 
 _constants = {}
@@ -257,10 +270,16 @@ def constant(a):
 def rope(x, pos, freqs, mscale, neox, stream=0):
     """Rotate the first 2 * len(freqs) dims of each head of x [T, H, Dh] in place (pos [T]
     int32) by the angles pos * freqs[i] (freqs: host float64), cos and sin times mscale."""
+    rope_into(x, x, pos, freqs, mscale, neox, stream)
+
+
+def rope_into(out, x, pos, freqs, mscale, neox, stream=0):
+    """out [T, H, n] = x rotated as rope rotates in place; out may be x (views of wider heads:
+    MLA's roped query and key parts)."""
     n = x.shape[0] * x.shape[1] * len(freqs)
     if n:
         rope_kernel[_blocks(n, THREADS), THREADS, stream](
-            x, pos, constant(np.asarray(freqs, np.float64)), float(mscale), bool(neox))
+            out, x, pos, constant(np.asarray(freqs, np.float64)), float(mscale), bool(neox))
 
 
 # ---------------------------------------------------------------- swiglu, geglu
@@ -386,9 +405,10 @@ def sigmoid_mul_kernel(out, x, g):
         out[t, m] = x[t, m] * (f32(1.0) / (f32(1.0) + expf(-g[t, 0])))
 
 
-# ---------------------------------------------------------------- copy_cols (SLICE)
+# ---------------------------------------------------------------- copy_cols
 # out[t, h, olo + i] = src[t, h if Hs > 1 else 0, slo + i], i < n; out [T, Ho, Do], src
-# [T, Hs, Ds] (as cpu/copy_cols.py). One thread per copied value.
+# [T, Hs, Ds], either a view: column windows for the kernels that read rows contiguously
+# (matmul.mul_mat_heads). One thread per copied value.
 
 @cuda.jit
 def copy_cols_kernel(out, src, olo, slo, n):

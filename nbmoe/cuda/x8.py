@@ -112,6 +112,30 @@ def quantize_x(x, n_rows, K, stream=0, ready=False):
     return xq, xds
 
 
+# A view x [T, X, K] of any strides (columns of wider heads: MLA's q_nope, attention's latent),
+# K a multiple of 32, so a word never crosses a row: the same words as quantize_x of a copy.
+@cuda.jit
+def quantize_x_view_kernel(xq, xds, x, n_words):
+    idx = cuda.grid(1)
+    i = min(idx, n_words - 1)
+    X, K = x.shape[1], x.shape[2]
+    n = 4 * i // K                   # row n = t * X + h, column c
+    c = 4 * i - n * K
+    t = n // X
+    h = n - t * X
+    quantize_word(xq, xds, idx, idx < n_words, x[t, h, c], x[t, h, c + 1], x[t, h, c + 2], x[t, h, c + 3])
+
+
+def quantize_x_view(x, stream=0):
+    """x [T, X, K] (a view; K % 32 == 0) -> (xq, xds) in the buffers quantize_x fills."""
+    T, X, K = x.shape
+    n = T * X * K // 4
+    xq, xds = x8_buffers(T * X, K)
+    if n:
+        quantize_x_view_kernel[(n + 127) // 128, 128, stream](xq, xds, x, n)
+    return xq, xds
+
+
 def x8_buffers(n_rows, K):
     """The (xq, xds) buffers the next product reads when it gets x_ready=True (a fused
     producer, such as ops.rms_norm(..., xq=, xds=), writes x there in 8 bits)."""

@@ -86,35 +86,32 @@ def mla_attention(g, cfg, p, il, T):
     A token's key is its normed latent [R] and a roped part [Dr], one kv head that the cache
     keeps (KVCache, R + Dr per token); head h's query is [q_nope_h @ k_b[h], rope(q_pe_h)], so
     q' . key = q_h . [k_b[h] latent, k_pe]. The same rows serve as values: the first R columns
-    of the output (sum_j p_j latent_j) go through v_b[h]; its last Dr are not used."""
+    of the output (sum_j p_j latent_j) go through v_b[h]; its last Dr are not used.
+    The head parts are column windows of one buffer (params cols: the columns of each src head
+    an op reads, at: the first column of each out head it writes), so no op copies them."""
     D, H, R, Dn, Dr, eps = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.n_rot, cfg.norm_eps
     Dv, K = cfg.v_head_dim, cfg.kv_lora_rank + cfg.n_rot
     rope = dict(n_rot=Dr, freqs=cfg.rope_freqs(il), mscale=cfg.rope_mscale, neox=cfg.flags.rope_neox)
     g.add_node("RMS_NORM", "h", (T, D), ["x"], p + "attn_norm.weight", eps=eps)
+    # q's first product and the token's cache row [latent, k_pe], both of h (one fused launch)
     if cfg.q_lora_rank:          # q through a low-rank bottleneck with its own norm
         g.add_node("MUL_MAT", "q_a", (T, cfg.q_lora_rank), ["h"], p + "attn_q_a.weight")
+    else:
+        g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["h"], p + "attn_q.weight")          # [T, H, Dn+Dr]
+    g.add_node("MUL_MAT", "kv", (T, 1, K), ["h"], p + "attn_kv_a_mqa.weight")            # [T, 1, R+Dr]
+    if cfg.q_lora_rank:
         g.add_node("RMS_NORM", "q_a", (T, cfg.q_lora_rank), ["q_a"], p + "attn_q_a_norm.weight", eps=eps)
         g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["q_a"], p + "attn_q_b.weight")      # [T, H, Dn+Dr]
-    else:
-        g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["h"], p + "attn_q.weight")
-    g.add_node("SLICE", "q_nope", (T, H, Dn), ["q"], cols=(0, Dn))
-    g.add_node("SLICE", "q_pe", (T, H, Dr), ["q"], cols=(Dn, Dn + Dr))
-    g.add_node("ROPE", "q_pe", (T, H, Dr), ["q_pe", "pos"], **rope)
-    g.add_node("MUL_MAT_HEADS", "q_lat", (T, H, R), ["q_nope"], p + "attn_k_b.weight")   # [T, H, R]
-    g.add_node("SLICE", "q_mla", (T, H, K), ["q_lat"], cols=(0, R))
-    g.add_node("SLICE", "q_mla", (T, H, K), ["q_pe", "q_mla"], cols=(0, Dr), at=R)      # [T, H, R+Dr]
-    # the token's cache row: [norm(latent), rope(k_pe)]
-    g.add_node("MUL_MAT", "kv", (T, 1, K), ["h"], p + "attn_kv_a_mqa.weight")            # [T, 1, R+Dr]
-    g.add_node("SLICE", "latent", (T, R), ["kv"], cols=(0, R))
-    g.add_node("RMS_NORM", "latent", (T, R), ["latent"], p + "attn_kv_a_norm.weight", eps=eps)
-    g.add_node("SLICE", "kv", (T, 1, K), ["latent", "kv"], cols=(0, R))
-    g.add_node("SLICE", "k_pe", (T, 1, Dr), ["kv"], cols=(R, K))
-    g.add_node("ROPE", "k_pe", (T, 1, Dr), ["k_pe", "pos"], **rope)
-    g.add_node("SLICE", "kv", (T, 1, K), ["k_pe", "kv"], cols=(0, Dr), at=R)
+    # q' = [q_nope @ k_b, rope(q_pe)]                                                    [T, H, R+Dr]
+    g.add_node("MUL_MAT_HEADS", "q_mla", (T, H, K), ["q"], p + "attn_k_b.weight", cols=(0, Dn), at=0)
+    g.add_node("ROPE", "q_mla", (T, H, K), ["q", "pos", "q_mla"], **rope, cols=(Dn, Dn + Dr), at=R)
+    # the token's cache row: [norm(latent), rope(k_pe)], in place
+    g.add_node("RMS_NORM", "kv", (T, 1, K), ["kv"], p + "attn_kv_a_norm.weight", eps=eps, cols=(0, R), at=0)
+    g.add_node("ROPE", "kv", (T, 1, K), ["kv", "pos"], **rope, cols=(R, K), at=R)
     g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"] + _kv_rows(g), layer=il,
                scale=cfg.attn_scale, window=0, sinks=None)
-    g.add_node("SLICE", "attn_lat", (T, H, R), ["attn"], cols=(0, R))
-    g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn_lat"], p + "attn_v_b.weight")  # [T, H, Dv]
+    g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn"], p + "attn_v_b.weight",   # [T, H, Dv]
+               cols=(0, R), at=0)
     g.add_node("MUL_MAT", "o", (T, D), ["attn_v"], p + "attn_output.weight")             # [T, D]
     g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
 

@@ -5,6 +5,8 @@ reordering). Each node names its op, its output buffer, its input buffers and, f
 ops, the GGUF tensor it multiplies by. Buffers are named by role ("q", "ffn_up"...), not
 by layer, so every layer reuses the same memory; the residual stream "x" is updated in place.
 The scheduler later gives every node a backend and records why.
+RMS_NORM, ROPE and MUL_MAT_HEADS may work on a column window of each head (params cols: the
+columns of the src heads read, at: the first column of the out heads written; MLA's head parts).
 """
 from dataclasses import dataclass, field
 
@@ -26,7 +28,6 @@ OPS = (
     "ADD_BIAS",      # x + b, b one row
     "ADD_BIAS_ID",   # x[t, a] + b[chosen expert of slot a]
     "SIGMOID_MUL",   # x * sigmoid(g), g one value a row (shared expert's gate)
-    "SLICE",         # out[.., h, cols] = src[.., h (or its one head), cols]: MLA's head parts
     "MUL_MAT_HEADS", # out[t, h] = W[h] @ x[t, h]: one matrix per head (MLA's k_b, v_b)
     # act(x @ Wgate[e]^T) * (x @ Wup[e]^T): the experts' gate, up and GLU as one op (-fmoe 1).
     # Its three nodes carry params fused_op; -op and --explain see them as this op.

@@ -18,6 +18,8 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, [ADD_BIAS], TOPK_MOE     T = 1
                 (route_ok(norm, router, topk): the backend's kernel takes them)
   rope_attn     [RMS_NORM q, RMS_NORM k], ROPE q, ROPE k, ATTN of those q, k      any T
+  mla_rope      MLA's ROPE of a window of q into one of q_mla, RMS_NORM and ROPE   any T
+                of two windows of the cache row in place (the one kind taking windows)
   attn_block    a layer's attention half: RMS_NORM, q/k/v products, [q/k norms],    T = 1
                 ROPE q, k, ATTN, o product, [post norm], residual ADD (CPU); each
                 product [with its ADD_BIAS]
@@ -40,7 +42,7 @@ ENABLED = True
 BLOCKS = True
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 # Kinds a backend offers beyond KINDS (the CUDA backend's; see backend_cuda.fuse_kinds).
-ADD_KINDS = ("down_combine_add", "product_add", "norm_route")
+ADD_KINDS = ("down_combine_add", "product_add", "norm_route", "mla_rope")
 BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 # The variants the fused kernels compute, per backend kind and op: every member of a group must
@@ -89,7 +91,8 @@ def find_groups(nodes, backend, n_tokens, vec_ok, max_t, kinds=KINDS, wtype=lamb
         if found is None:
             found = _match(nodes, i, backend, n_tokens, vec_ok, max_t, wtype, kinds, route_ok)
         if (found is None or found[0] not in kinds
-                or not all(supported(n, backend) for n in found[1])):
+                or not all(supported(n, backend) for n in found[1])
+                or found[0] != "mla_rope" and any("cols" in n.params for n in found[1])):
             i += 1
             continue
         kind, members = found
@@ -187,7 +190,22 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
         run = biased(0)
         if residual_add(at(len(run)), n0.out):
             return "product_add", run + [at(len(run))]
+    if "mla_rope" in kinds and _is_mla_rope(nodes[i:i + 3], backend):
+        return "mla_rope", nodes[i:i + 3]
     return _match_rope_attn(nodes, i, backend)
+
+
+def _is_mla_rope(run, backend):
+    """ROPE of a window of q into one of q_mla, RMS_NORM and ROPE of two windows of the
+    cache row in place (forward.py's mla_attention), with one rotation, on backend."""
+    if len(run) != 3 or any(n.backend != backend or "cols" not in n.params for n in run):
+        return False
+    rq, norm, rk = run
+    in_place = all(n.srcs[0] == n.out and n.params["cols"][0] == n.params["at"] for n in (norm, rk))
+    p, pk = rq.params, rk.params
+    return ((rq.op, norm.op, rk.op) == ("ROPE", "RMS_NORM", "ROPE") and in_place
+            and rq.srcs[0] != rq.out and norm.out == rk.out and rq.srcs[1] == rk.srcs[1]
+            and p["freqs"] is pk["freqs"] and (p["mscale"], p["neox"]) == (pk["mscale"], pk["neox"]))
 
 
 def _adds_bias(n, product, backend):
