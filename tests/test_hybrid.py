@@ -9,6 +9,7 @@ import pytest
 
 import nbmoe
 from nbmoe.sched import scheduler
+from nbmoe.model.graph import OPS
 from nbmoe.cpu import matmul
 from cuda_common import _simulator_speed  # noqa: F401  (fixture: a short GIL switch interval)
 
@@ -333,7 +334,8 @@ def test_offload_policy_switches(model):
                offload_policy="MUL_MAT_ID,0,MUL_MAT_ID_GLU,0")
     g = llm.plan(64, 0).graph
     assert {n.backend for n in g.nodes if n.op == "MUL_MAT_ID"} == {"CPU"}
-    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy="-1,0,MUL_MAT_ID,1,16,1")
+    glu_id = OPS.index("MUL_MAT_ID_GLU")          # an op named by its id, as --help lists them
+    llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"], offload_policy=f"-1,0,MUL_MAT_ID,1,{glu_id},1")
     g = llm.plan(64, 0).graph
     assert {n.cause for n in g.nodes if n.op == "MUL_MAT_ID"} == {"off"}
 
