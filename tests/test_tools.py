@@ -349,11 +349,12 @@ def test_default_model_without_package(monkeypatch, tmp_path):
 
 def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
     """tools/bench_moe_cpu.py times A experts' gate, up and down rows a layer: the bytes a
-    token it reports are those of gguf-py's tensor sizes, A / E of every expert tensor."""
+    token it reports are those of gguf-py's tensor sizes, A / E of every expert tensor. A
+    deepseek2 file: a leading dense layer (skipped), down experts of another type (as the
+    real files' Q5_0 downs beside Q4_K)."""
     import bench_moe_cpu
-    path = tiny_model("qwen3moe", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=32,
-                      n_ff=64, n_expert=4, n_expert_used=2, n_ff_exp=32,
-                      types=[("exps", "Q4_0")], default_type="Q8_0")
+    path = tiny_model("deepseek2", n_layer=3, n_expert=4,
+                      types=[("ffn_down_exps", "Q8_0"), ("exps", "Q4_0")], default_type="Q8_0")
     threads = numba.get_num_threads()
     try:
         got = bench_moe_cpu.main(["-m", path, "-t", "1", "-n", "2", "--read-mb", "16"])

@@ -16,6 +16,7 @@ import time
 
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType
 
 import nbmoe  # noqa: F401  (Numba settings before the kernels compile)
 from nbmoe.cpu import fused, matmul
@@ -24,15 +25,17 @@ from nbmoe.loader.gguf_file import GGUFFile
 
 
 def layers(path):
-    """(gate, up, down, qtype) of each layer, as zero-copy views of the file."""
+    """(gate, up, down, gate/up type, down type) of each MoE layer (leading dense layers are
+    skipped), as zero-copy views of the file."""
     f = GGUFFile(path)
-    out, i = [], 0
-    while f"blk.{i}.ffn_gate_exps.weight" in f.tensors:
+    out = []
+    for i in range(int(f.meta.get(f"{f.architecture}.block_count", 0))):
+        if f"blk.{i}.ffn_gate_exps.weight" not in f.tensors:
+            continue
         g, u, d = (f.tensors[f"blk.{i}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
-        if not g.ggml_type == u.ggml_type == d.ggml_type:
-            raise SystemExit("expert tensors of one layer in different types: not measured here")
-        out.append((g.data, u.data, d.data, int(g.ggml_type)))
-        i += 1
+        if g.ggml_type != u.ggml_type:
+            raise SystemExit(f"blk.{i}: gate and up experts in different types: not measured here")
+        out.append((g.data, u.data, d.data, int(g.ggml_type), int(d.ggml_type)))
     if not out:
         raise SystemExit(f"{path}: no expert tensors (blk.N.ffn_gate_exps.weight)")
     return out, int(f.meta.get(f"{f.architecture}.expert_used_count", 8))
@@ -49,11 +52,11 @@ def main(argv=None):
     lay, A = layers(a.model)
     E, F, _ = lay[0][0].shape
     D = lay[0][2].shape[1]
-    qtype = lay[0][3]
+    qtype, qdown = lay[0][3], lay[0][4]
     K = matmul.row_values(qtype, lay[0][0].shape[2])
-    int8 = matmul._int8(qtype)
+    int8, int8_down = matmul._int8(qtype), matmul._int8(qdown)
     step_g = matmul.expert_item_rows(F, lay[0][0].shape[2], 1, qtype)
-    step_d = matmul.expert_item_rows(D, A * lay[0][2].shape[2], 1, qtype)
+    step_d = matmul.expert_item_rows(D, A * lay[0][2].shape[2], 1, qdown)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1, K), dtype=np.float32)
     g = np.empty((1, A, F), np.float32)
@@ -64,12 +67,12 @@ def main(argv=None):
     per_token = glu_bytes + down_bytes
     t_glu = t_down = 0.0
     for tok in range(a.tokens + 2):                 # the first two warm up, untimed
-        for wg, wu, wd, qt in lay:
+        for wg, wu, wd, qt, qd in lay:
             ids = rng.choice(E, A, replace=False).astype(np.int32).reshape(1, A)
             t0 = time.perf_counter()
             fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
             t1 = time.perf_counter()
-            fused.down_combine(out, wd, g, ids, wts, fused.EMPTY, qt, int8, step_d, numba.get_num_threads())
+            fused.down_combine(out, wd, g, ids, wts, fused.EMPTY, qd, int8_down, step_d, numba.get_num_threads())
             t2 = time.perf_counter()
             if tok >= 2:
                 t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1
@@ -78,7 +81,8 @@ def main(argv=None):
         return None
     bw = read_bandwidth(a.read_mb << 20)
     total = (t_glu + t_down) / n
-    print(f"{len(lay)} layers, {E} experts ({A} a token) of {F}x{K}, threads {a.threads}; "
+    names = "/".join(GGMLQuantizationType(q).name for q in dict.fromkeys((qtype, qdown)))
+    print(f"{len(lay)} layers, {E} experts ({A} a token) of {F}x{K} {names}, threads {a.threads}; "
           f"streaming read {bw:.1f} GB/s")
     print(f"gate/up/GLU   {t_glu / n / len(lay) * 1e6:7.1f} us a layer  "
           f"{glu_bytes / (t_glu / n) / 1e9:6.1f} GB/s")
