@@ -9,6 +9,8 @@ dependency of nbmoe):
     pip install --target /tmp/nvtools nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12
     LD_LIBRARY_PATH=/tmp/nvtools/nvidia/cuda_nvrtc/lib:/tmp/nvtools/nvidia/cuda_nvcc/nvvm/lib64 \
     PYTHONPATH=$PWD:/tmp/nvtools python tools/cuda_ptx_check.py --ptxas /tmp/nvtools/nvidia/cuda_nvcc/bin/ptxas
+With --keep DIR --cuobjdump BIN (BIN from the nvidia-cuda-cuobjdump wheel: unzip it and
+chmod +x its bin/cuobjdump) each kernel's machine code goes to DIR/*.sass too.
 """
 import argparse
 import os
@@ -43,6 +45,8 @@ def main():
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K,IQ4_XS,MXFP4")
     ap.add_argument("--ptxas", default="ptxas")
     ap.add_argument("--keep", default="", help="directory to keep the .ptx files in")
+    ap.add_argument("--cuobjdump", default="", help="cuobjdump binary: also write each kernel's "
+                    "machine code (SASS) beside its .ptx in --keep, e.g. to see the order of its loads")
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
     ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
     ap.add_argument("--kv", default="f16/f16,q8_0/q8_0,bf16/bf16",
@@ -65,27 +69,17 @@ def main():
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
-            # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
-            ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
-            d = a.keep or tempfile.mkdtemp()
-            path = os.path.join(d, f"mma_{name}_{'id' if gather else 'plain'}.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            r = subprocess.run([a.ptxas, "-arch=sm_90", "-v", path, "-o", path + ".cubin"],
-                               capture_output=True, text=True)
-            out = r.stderr + r.stdout
-            info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
-            n_mma = ptx.count("mma.sync")
-            print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {n_mma} mma in PTX: "
-                  f"{'OK' if r.returncode == 0 else 'FAILED'} {info}", flush=True)
-            if r.returncode:
-                print(r.stderr[-2000:])
-                bad += 1
+            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}.ptx")
+            ok, info = assemble(ptx, path, a.ptxas, a.cuobjdump)
+            print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
+                  f"{'OK' if ok else 'FAILED'} {info}", flush=True)
+            bad += not ok
     sys.exit(1 if bad else 0)
 
 
-def assemble(ptx, path, ptxas):
-    """(ok, 'Used .. registers ..') of ptxas -arch=sm_90 on ptx, written to path."""
+def assemble(ptx, path, ptxas, cuobjdump=""):
+    """(ok, 'Used .. registers ..') of ptxas -arch=sm_90 on ptx, written to path (and with
+    cuobjdump, the machine code beside it: path.sass)."""
     # ptxas may be older than the NVVM that wrote the PTX: mma.sync needs only PTX 7.0
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 7.8", ptx, flags=re.M)
     with open(path, "w") as f:
@@ -95,6 +89,9 @@ def assemble(ptx, path, ptxas):
     info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill \w+|\d+ bytes smem", out))
     if r.returncode:
         print(r.stderr[-2000:])
+    elif cuobjdump:
+        with open(path + ".sass", "w") as f:
+            subprocess.run([cuobjdump, "-sass", path + ".cubin"], stdout=f, stderr=subprocess.DEVNULL)
     return r.returncode == 0, info
 
 
@@ -111,7 +108,7 @@ def check_flash(a):
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),
                                       launch_bounds=kern.targetoptions.get("launch_bounds"))
             ok, info = assemble(ptx, os.path.join(a.keep or tempfile.mkdtemp(), f"flash_{Dh}_{kt}_{vt}.ptx"),
-                                a.ptxas)
+                                a.ptxas, a.cuobjdump)
             print(f"flash Dh={Dh} {kt}/{vt} {nth} threads, {ptx.count('mma.sync')} mma, "
                   f"{ptx.count('ld.local')} ld.local in PTX: {'OK' if ok else 'FAILED'} {info}", flush=True)
             bad += not ok
@@ -147,7 +144,8 @@ def check_mmv(a):
               f"{chunks_in_flight(qt, 768)} at K = 768", flush=True)
         for label, kern, sig in mmv_kernels(qt):
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
-            ok, info = assemble(ptx, os.path.join(d, re.sub(r"\W+", "_", label) + f"_{name}.ptx"), a.ptxas)
+            ok, info = assemble(ptx, os.path.join(d, re.sub(r"\W+", "_", label) + f"_{name}.ptx"), a.ptxas,
+                                a.cuobjdump)
             n_ld = len(re.findall(r"^\s*ld\.global", ptx, flags=re.M))
             print(f"  {label:28s} {n_ld:3d} ld.global in PTX: {'OK' if ok else 'FAILED'} {info}", flush=True)
             bad += not ok
