@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from . import device_fn, expf, or_empty, shfl_idx, shfl_xor, warp_max, warp_sum
+from .ops import THREADS, rows_grid
 
 f32 = np.float32
 i32 = np.int32
@@ -26,7 +27,6 @@ MAX_GROUPS = 32                     # a group's score lives on one lane
 
 # Tokens (= warps) per routing block.
 ROUTE_WARPS = 4
-THREADS = 256
 
 _kernels = {}
 
@@ -233,23 +233,23 @@ def topk_route(ids, weights, logits, norm, gating=0, scale=1.0, bias=None, n_gro
 
 # ---------------------------------------------------------------- moe_combine
 # out[t] = sum_a weights[t, a] * y[t, a] with y [T, A, D], summed in order a = 0 .. A-1 in
-# float32 (as the CPU). out must not alias y. One thread per output value.
+# float32 (as the CPU). out must not alias y. A thread per column d, over tokens (rows_grid).
 
 @cuda.jit
 def moe_combine_kernel(out, y, weights):
     T, A, D = y.shape
-    idx = cuda.grid(1)
-    if idx < T * D:
-        t = idx // D
-        d = idx - t * D
-        acc = weights[t, 0] * y[t, 0, d]
-        for a in range(1, A):
-            acc += weights[t, a] * y[t, a, d]
-        out[t, d] = acc
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if d < D:
+        t = cuda.blockIdx.y
+        while t < T:
+            acc = weights[t, 0] * y[t, 0, d]
+            for a in range(1, A):
+                acc += weights[t, a] * y[t, a, d]
+            out[t, d] = acc
+            t += cuda.gridDim.y
 
 
 def moe_combine(out, y, weights, stream=0):
     """out [T, D] = sum_a weights[t, a] * y[t, a] (y [T, A, D])."""
-    n = out.size
-    if n:
-        moe_combine_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](out, y, weights)
+    if out.size:
+        moe_combine_kernel[rows_grid(out.shape[0], out.shape[1]), THREADS, stream](out, y, weights)

@@ -26,6 +26,13 @@ def _blocks(n, threads):
     return (n + threads - 1) // threads
 
 
+def rows_grid(N, F):
+    """Grid of an element-wise kernel over N rows of F: x over a row's columns (THREADS a
+    block), y over rows, strided past the grid's 65535 (no division per element: with one
+    flat index, the 64-bit idx // F cost ~60 of a GLU thread's ~100 instructions)."""
+    return _blocks(F, THREADS), min(N, 65535)
+
+
 # ---------------------------------------------------------------- rms_norm
 # out[N, n] = x / sqrt(mean(x^2) + eps) * w, row by row: [T, D] with w [D], or [T, H, Dh] with
 # w [Dh] (QK-norm). One block per row: each thread sums squares over a strided slice, warps
@@ -286,7 +293,7 @@ def rope_into(out, x, pos, freqs, mscale, neox, stream=0):
 # out[N, F] = act(gate) * up; gate / up may be row-strided views (halves of a fused [N, 2F]).
 #   silu(g)      = g / (1 + exp(-g))
 #   gelu_tanh(g) = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))
-# out may alias gate or up. One thread per element.
+# out may alias gate or up. A thread per column, over rows (rows_grid).
 
 _GELU_K = f32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_C = f32(0.044715)
@@ -304,41 +311,39 @@ def _gelu(g):
 
 @cuda.jit
 def swiglu_kernel(out, gate, up):
-    F = out.shape[1]
-    idx = cuda.grid(1)
-    if idx < out.shape[0] * F:
-        r = idx // F
-        c = idx - r * F
-        out[r, c] = _silu(gate[r, c]) * up[r, c]
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if c < out.shape[1]:
+        r = cuda.blockIdx.y
+        while r < out.shape[0]:                 # (a range's trip count divides)
+            out[r, c] = _silu(gate[r, c]) * up[r, c]
+            r += cuda.gridDim.y
 
 
 @cuda.jit
 def geglu_kernel(out, gate, up):
-    F = out.shape[1]
-    idx = cuda.grid(1)
-    if idx < out.shape[0] * F:
-        r = idx // F
-        c = idx - r * F
-        out[r, c] = _gelu(gate[r, c]) * up[r, c]
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if c < out.shape[1]:
+        r = cuda.blockIdx.y
+        while r < out.shape[0]:                 # (a range's trip count divides)
+            out[r, c] = _gelu(gate[r, c]) * up[r, c]
+            r += cuda.gridDim.y
 
 
 def swiglu(out, gate, up, stream=0):
     """out[N, F] = silu(gate) * up; out may alias gate or up."""
-    n = out.size
-    if n:
-        swiglu_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+    if out.size:
+        swiglu_kernel[rows_grid(out.shape[0], out.shape[1]), THREADS, stream](out, gate, up)
 
 
 def geglu(out, gate, up, stream=0):
     """out[N, F] = gelu_tanh(gate) * up (gemma); out may alias gate or up."""
-    n = out.size
-    if n:
-        geglu_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+    if out.size:
+        geglu_kernel[rows_grid(out.shape[0], out.shape[1]), THREADS, stream](out, gate, up)
 
 
 # ---------------------------------------------------------------- swiglu_oai (gpt-oss)
 # out[N, F] = x * sigmoid(alpha x) * (y + 1),  x = min(gate, limit),  y = clamp(up, -limit, limit)
-# (ggml's swiglu_oai). Strides and aliasing as swiglu. One thread per element.
+# (ggml's swiglu_oai). Strides, aliasing and grid as swiglu.
 _OAI_ALPHA = f32(SWIGLU_OAI_ALPHA)
 _OAI_LIMIT = f32(SWIGLU_OAI_LIMIT)
 
@@ -352,19 +357,18 @@ def _swiglu_oai(g, u):
 
 @cuda.jit
 def swiglu_oai_kernel(out, gate, up):
-    F = out.shape[1]
-    idx = cuda.grid(1)
-    if idx < out.shape[0] * F:
-        r = idx // F
-        c = idx - r * F
-        out[r, c] = _swiglu_oai(gate[r, c], up[r, c])
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if c < out.shape[1]:
+        r = cuda.blockIdx.y
+        while r < out.shape[0]:                 # (a range's trip count divides)
+            out[r, c] = _swiglu_oai(gate[r, c], up[r, c])
+            r += cuda.gridDim.y
 
 
 def swiglu_oai(out, gate, up, stream=0):
     """out[N, F] = gpt-oss's clamped SwiGLU of gate and up; out may alias gate or up."""
-    n = out.size
-    if n:
-        swiglu_oai_kernel[_blocks(n, THREADS), THREADS, stream](out, gate, up)
+    if out.size:
+        swiglu_oai_kernel[rows_grid(out.shape[0], out.shape[1]), THREADS, stream](out, gate, up)
 
 
 # ---------------------------------------------------------------- biases, gated rows
