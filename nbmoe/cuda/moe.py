@@ -252,4 +252,4 @@ def moe_combine_kernel(out, y, weights):
 def moe_combine(out, y, weights, stream=0):
     """out [T, D] = sum_a weights[t, a] * y[t, a] (y [T, A, D])."""
     if out.size:
-        moe_combine_kernel[rows_grid(out.shape[0], out.shape[1]), THREADS, stream](out, y, weights)
+        moe_combine_kernel[rows_grid(*out.shape), THREADS, stream](out, y, weights)
