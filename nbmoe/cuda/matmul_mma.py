@@ -89,6 +89,7 @@ def i2f(c):
 #       xc [TT, S]   slot j: x codes of x row xrow[j]               xd, xsum [KB, TT]    xd, xs
 #     Row stride S = 8 KB + 4 words (= 4 mod 8): the fragment loads of a warp (rows g = 0..7,
 #     words t = 0..3) hit banks (S g + t + const) mod 32: all different, no bank conflicts.
+#     After the barrier each thread asks L2 for its weight blocks of the next K step (PREFETCH).
 #  2. warp (wm, wt) = (warp % WM, warp // WM) owns rows wm * TM / WM + 16 i (i < MI) and slots
 #     wt * TT / WT + 8 j (j < NJ): per block kb it loads the A fragments of its MI row tiles
 #     and the B fragments of its NJ slot tiles (words 8 kb + t, 8 kb + 4 + t: mma.py's table),
