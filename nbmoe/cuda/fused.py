@@ -35,22 +35,13 @@ from . import device_fn, device_id, empty, or_empty, warp_sum
 from .matmul import MMV_WARPS, _split_k, dot8, pair_row, quantizes_x
 from .mmv_q8 import chunk_units, chunks_in_flight, row_dot_fn
 from .moe import MAX_GROUPS, experts_per_lane, route_args, topk_warp_fn
-from .ops import NORM_THREADS, WORDS_MIN_N, _block_sum, _gelu, _silu, _swiglu_oai
+from .ops import ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, NORM_THREADS, WORDS_MIN_N, _block_sum, _glu  # noqa: F401
 from .quants import qtype_info, unit_cols
 from .scratch import cached
 from .x8 import quantize_word
 
 f32 = np.float32
 i32 = np.int32
-ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2     # the GLU kinds (ops.swiglu, geglu, swiglu_oai)
-
-
-@device_fn
-def _glu(g, u, act):
-    """The GLU of one gate / up pair: act(g) * u, or gpt-oss's clamped form of both."""
-    if act == ACT_SWIGLU_OAI:
-        return _swiglu_oai(g, u)
-    return (_silu(g) if act == ACT_SILU else _gelu(g)) * u
 
 
 def _check_act(act):

@@ -289,14 +289,19 @@ def rope_into(out, x, pos, freqs, mscale, neox, stream=0):
             out, x, pos, constant(np.asarray(freqs, np.float64)), float(mscale), bool(neox))
 
 
-# ---------------------------------------------------------------- swiglu, geglu
+# ---------------------------------------------------------------- GLUs: swiglu, geglu, swiglu_oai
 # out[N, F] = act(gate) * up; gate / up may be row-strided views (halves of a fused [N, 2F]).
 #   silu(g)      = g / (1 + exp(-g))
 #   gelu_tanh(g) = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))
+#   swiglu_oai   = x * sigmoid(alpha x) * (y + 1),  x = min(gate, limit),  y = clamp(up, -limit,
+#                  limit) (gpt-oss; ggml's swiglu_oai: both halves in one)
 # out may alias gate or up. A thread per column, over rows (rows_grid).
 
 _GELU_K = f32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_C = f32(0.044715)
+_OAI_ALPHA = f32(SWIGLU_OAI_ALPHA)
+_OAI_LIMIT = f32(SWIGLU_OAI_LIMIT)
+ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2     # the GLU kinds (swiglu, geglu, swiglu_oai)
 
 
 @device_fn
@@ -309,45 +314,6 @@ def _gelu(g):
     return g / (f32(1.0) + expf(-(_GELU_K * (g + _GELU_C * g * g * g))))
 
 
-@cuda.jit
-def swiglu_kernel(out, gate, up):
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if c < out.shape[1]:
-        r = cuda.blockIdx.y
-        while r < out.shape[0]:                 # (a range's trip count divides)
-            out[r, c] = _silu(gate[r, c]) * up[r, c]
-            r += cuda.gridDim.y
-
-
-@cuda.jit
-def geglu_kernel(out, gate, up):
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if c < out.shape[1]:
-        r = cuda.blockIdx.y
-        while r < out.shape[0]:                 # (a range's trip count divides)
-            out[r, c] = _gelu(gate[r, c]) * up[r, c]
-            r += cuda.gridDim.y
-
-
-def swiglu(out, gate, up, stream=0):
-    """out[N, F] = silu(gate) * up; out may alias gate or up."""
-    if out.size:
-        swiglu_kernel[rows_grid(*out.shape), THREADS, stream](out, gate, up)
-
-
-def geglu(out, gate, up, stream=0):
-    """out[N, F] = gelu_tanh(gate) * up (gemma); out may alias gate or up."""
-    if out.size:
-        geglu_kernel[rows_grid(*out.shape), THREADS, stream](out, gate, up)
-
-
-# ---------------------------------------------------------------- swiglu_oai (gpt-oss)
-# out[N, F] = x * sigmoid(alpha x) * (y + 1),  x = min(gate, limit),  y = clamp(up, -limit, limit)
-# (ggml's swiglu_oai). Strides, aliasing and grid as swiglu.
-_OAI_ALPHA = f32(SWIGLU_OAI_ALPHA)
-_OAI_LIMIT = f32(SWIGLU_OAI_LIMIT)
-
-
 @device_fn
 def _swiglu_oai(g, u):
     x = min(g, _OAI_LIMIT)
@@ -355,20 +321,42 @@ def _swiglu_oai(g, u):
     return x / (f32(1.0) + expf(-(_OAI_ALPHA * x))) * (y + f32(1.0))
 
 
+@device_fn
+def _glu(g, u, act):
+    """The GLU of one gate / up pair: act(g) * u, or gpt-oss's clamped form of both."""
+    if act == ACT_SWIGLU_OAI:
+        return _swiglu_oai(g, u)
+    return (_silu(g) if act == ACT_SILU else _gelu(g)) * u
+
+
 @cuda.jit
-def swiglu_oai_kernel(out, gate, up):
+def glu_kernel(out, gate, up, act):
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if c < out.shape[1]:
         r = cuda.blockIdx.y
         while r < out.shape[0]:                 # (a range's trip count divides)
-            out[r, c] = _swiglu_oai(gate[r, c], up[r, c])
+            out[r, c] = _glu(gate[r, c], up[r, c], act)
             r += cuda.gridDim.y
+
+
+def _glu_rows(out, gate, up, act, stream):
+    if out.size:
+        glu_kernel[rows_grid(*out.shape), THREADS, stream](out, gate, up, act)
+
+
+def swiglu(out, gate, up, stream=0):
+    """out[N, F] = silu(gate) * up; out may alias gate or up."""
+    _glu_rows(out, gate, up, ACT_SILU, stream)
+
+
+def geglu(out, gate, up, stream=0):
+    """out[N, F] = gelu_tanh(gate) * up (gemma); out may alias gate or up."""
+    _glu_rows(out, gate, up, ACT_GELU, stream)
 
 
 def swiglu_oai(out, gate, up, stream=0):
     """out[N, F] = gpt-oss's clamped SwiGLU of gate and up; out may alias gate or up."""
-    if out.size:
-        swiglu_oai_kernel[rows_grid(*out.shape), THREADS, stream](out, gate, up)
+    _glu_rows(out, gate, up, ACT_SWIGLU_OAI, stream)
 
 
 # ---------------------------------------------------------------- biases, gated rows
