@@ -196,9 +196,6 @@ if SIM:
     def rintf(x):
         return np.rint(np.float32(x))
 
-    def prefetch_l2(a, base, off):
-        """(a hint to the memory system: nothing to do in the simulator)"""
-
     def dp4a(a, b, c):
         a = int(a) & 0xFFFFFFFF
         b = int(b) & 0xFFFFFFFF
@@ -276,27 +273,6 @@ else:
         return ld
 
     ld_u8, ld_u16, ld_u32, ld_i32, ld_f16, ld_f32 = (_loader(k) for k in ("u8", "u16", "u32", "i32", "f16", "f32"))
-
-    @intrinsic
-    def _prefetch_l2(typingctx, a, base, off):
-        if not (isinstance(a, types.Array) and base == types.int64 and off == types.int64):
-            return None
-
-        def codegen(context, builder, sig, args):
-            arr = context.make_array(sig.args[0])(context, builder, args[0])
-            data = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-            p = builder.ptrtoint(builder.gep(data, [builder.add(args[1], args[2])]), ir.IntType(64))
-            fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.L2 [$0];", "l",
-                              side_effect=True)
-            builder.call(fn, [p])
-            return context.get_dummy_value()
-        return types.none(a, base, off), codegen
-
-    @cuda.jit(device=True, forceinline=True)
-    def prefetch_l2(a, base, off):
-        """Ask for the 128-byte line holding byte base + off of a in L2, without waiting for it
-        (PTX prefetch.L2: no register, no stall)."""
-        _prefetch_l2(a, np.int64(base), np.int64(off))
 
     def _storer(nb_type, ll_type):
         @intrinsic

@@ -20,7 +20,7 @@ the float scaling follows per block, so an int32 never sums more than 32 product
 import numpy as np
 from numba import cuda
 
-from . import SIM, as_f32, device_fn, ld_f32, ld_i32, prefetch_l2, st_f32, st_i32
+from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
 from .matmul_tiled import group_by_expert, sum_splits, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
@@ -57,9 +57,6 @@ SPLIT_FILL, SPLIT_MIN_STEPS = 2, 2
 # Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
 # * threads), 128 at 256 threads; unbounded, some types took ~155 and ran one block an SM).
 MIN_BLOCKS = 2
-# While a K step's products run, each thread asks L2 for its weight blocks of the next step
-# (PTX prefetch.L2), so the next fill waits for L2 rather than for DRAM.
-PREFETCH = True
 
 I2F_MAGIC = 0x4B400000           # float32 1.5 * 2^23: an int below 2^22 added to its mantissa
 F_MAGIC = f32(12582912.0)
@@ -89,7 +86,6 @@ def i2f(c):
 #       xc [TT, S]   slot j: x codes of x row xrow[j]               xd, xsum [KB, TT]    xd, xs
 #     Row stride S = 8 KB + 4 words (= 4 mod 8): the fragment loads of a warp (rows g = 0..7,
 #     words t = 0..3) hit banks (S g + t + const) mod 32: all different, no bank conflicts.
-#     After the barrier each thread asks L2 for its weight blocks of the next K step (PREFETCH).
 #  2. warp (wm, wt) = (warp % WM, warp // WM) owns rows wm * TM / WM + 16 i (i < MI) and slots
 #     wt * TT / WT + 8 j (j < NJ): per block kb it loads the A fragments of its MI row tiles
 #     and the B fragments of its NJ slot tiles (words 8 kb + t, 8 kb + 4 + t: mma.py's table),
@@ -103,7 +99,6 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     BSIZE, BVALS = t_.size, t_.block        # bytes and values of a GGUF block of the type
-    prefetch = PREFETCH
     per16, has_m = int(qtype) in PER16, int(qtype) in HAS_M
     signed = int(qtype) in TO_SIGNED
     shift = u32(TO_SIGNED.get(int(qtype), 0))
@@ -221,10 +216,6 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
                         xd[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk)) if ok else f32(0.0)
                         xsum[xsk, xsj] = ld_f32(xds, xr * KQ, 8 * (kb0 + xsk) + 4) if ok else f32(0.0)
                 cuda.syncthreads()
-                if prefetch and kbu < kbe - kb0 - KB:       # the next step's blocks towards L2
-                    for i in range(NU):
-                        prefetch_l2(w, (rbase + min(r0 + rr0 + RSTEP * i, M - 1)) * RB,
-                                    (kb0 + KB + kbu) * 32 * BSIZE // BVALS)
                 # 2. the warp's mma tiles, block by block (ld_* at a per-lane 64-bit base and
                 # constant offsets: plain indexing cost ~8 64-bit integer ops a shared load)
                 if cw < nslots:
@@ -294,7 +285,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k, prefetch), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
