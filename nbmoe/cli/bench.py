@@ -7,7 +7,7 @@
 Each test runs once to warm up (a prompt twice: its CUDA graphs record on the second run),
 then -r times from an empty cache; t/s is mean ± std over the repetitions. For tg the table
 also shows the weight bytes the CPU reads from RAM per token (active experts only) turned into
-GB/s, next to the streaming read bandwidth measured in this run; with a GPU, a second column
+GB/s, next to the streaming read bandwidth measured right after the test; with a GPU, a second column
 counts all weights, wherever they are read.
 """
 import argparse
@@ -91,7 +91,7 @@ def main(argv=None):
         threads_list = args.threads or [default_threads()]
         need = max([1] + args.n_prompt + args.n_gen)
         rng = np.random.default_rng(0)
-        rows, bw = [], {}
+        rows = []
         llm = None
         for c in configs(args):
             ngl, ub, rtr = c["ngl"], c["ub"], c["rtr"]
@@ -103,8 +103,6 @@ def main(argv=None):
             for threads in threads_list:
                 llm.threads = threads
                 numba.set_num_threads(threads)
-                if not args.no_bandwidth and threads not in bw:
-                    bw[threads] = read_bandwidth()
                 for kind, n in tests(args):
                     # a cold start: a second process compiles generation's kernels during pp
                     ahead = [1] if kind == "pp" and any(k == "tg" for k, _ in tests(args)) else []
@@ -113,8 +111,10 @@ def main(argv=None):
                         if kind == "tg":
                             wait_ahead(progress)
                         times = run_test(llm, kind, n, args, rng)
+                    # the RAM's speed drifts on shared hosts: read it right after the test it rates
+                    bw = read_bandwidth() if kind == "tg" and not args.no_bandwidth else None
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
-                                         bw.get(threads), ngl, ub))
+                                         bw, ngl, ub))
                     if args.output == "md":
                         err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
                                           f"zce={rows[-1]['zero_copy_experts']} fa={llm.flash_attn} "
