@@ -7,8 +7,8 @@
 Each test runs once to warm up (a prompt twice: its CUDA graphs record on the second run),
 then -r times from an empty cache; t/s is mean ± std over the repetitions. For tg the table
 also shows the weight bytes the CPU reads from RAM per token (active experts only) turned into
-GB/s, next to the streaming read bandwidth measured right after the test; with a GPU, a second column
-counts all weights, wherever they are read.
+GB/s, next to the streaming read bandwidth measured right after the test; with a GPU, a second
+column counts all weights, wherever they are read.
 """
 import argparse
 import os
