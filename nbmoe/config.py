@@ -68,6 +68,9 @@ EP_START_TIMEOUT = env_int("NBMOE_EP_START_TIMEOUT", 600)
 # EP_PAUSE[0] doubling to EP_PAUSE[1] seconds (MPI's blocking waits spin a core at 100 %).
 EP_SPIN_S = 0.05
 EP_PAUSE = (5e-5, 2e-3)
+# Seconds rank 0 lives on after printing why it ends the run with a rank lost: mpiexec forwards
+# a rank's last output lines only while the rank lives, and the abort ends them all.
+EP_ABORT_GRACE_S = 0.5
 # NBMOE_EP_OVERLAP=0: rank 0 computes a layer's shared expert after the ranks' sums are in, not
 # while they compute (to measure what the overlap gains).
 EP_OVERLAP = env_flag("NBMOE_EP_OVERLAP", True)

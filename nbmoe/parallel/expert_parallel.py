@@ -15,6 +15,7 @@ one-token moe_block, which would do the experts itself, is not formed).
 """
 import re
 import socket
+import sys
 import time
 from collections import defaultdict
 
@@ -121,6 +122,9 @@ class Cluster:
                      for r in range(1, self.size)]
             if msg.poll(lambda: self.MPI.Request.Testall(sends), config.EP_TIMEOUT):
                 return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(config.EP_ABORT_GRACE_S)     # the error line reaches mpiexec's output first
         self.comm.Abort(code or 1)
 
 
