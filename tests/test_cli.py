@@ -20,11 +20,13 @@ def moe_model(tiny_model):
 
 
 def test_bench_json(moe_model):
+    """-d 0,8: each test on an empty cache, then after 8 tokens."""
     r = run(["nbmoe.bench", "-m", moe_model, "-p", "16", "-n", "4", "-r", "2", "-t", "1",
-             "-o", "json", "--no-bandwidth"])
+             "-o", "json", "--no-bandwidth", "-d", "0,8"])
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert [(x["n_prompt"], x["n_gen"]) for x in rows] == [(16, 0), (0, 4)]
+    assert [(x["n_prompt"], x["n_gen"], x["n_depth"]) for x in rows] == [
+        (16, 0, 0), (16, 0, 8), (0, 4, 0), (0, 4, 8)]
     for x in rows:
         assert x["avg_ts"] > 0 and x["n_threads"] == 1 and len(x["samples_ts"]) == 2
         assert x["model_filename"] == os.path.basename(moe_model)

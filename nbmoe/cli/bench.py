@@ -3,9 +3,10 @@
     python -m nbmoe.bench                       # default model, pp512 and tg128
     python -m nbmoe.bench -m model.gguf -p 512,1024 -n 128 -t 1,2 -r 3 -o json
     python -m nbmoe.bench -m model.gguf -t 2 -rtr 0,1     # without and with run-time repacking
+    python -m nbmoe.bench -m model.gguf -p 0 -n 128 -d 0,8192  # tg128 on an empty and an 8k cache
 
 Each test runs once to warm up (a prompt twice: its CUDA graphs record on the second run),
-then -r times from an empty cache; t/s is mean ± std over the repetitions. For tg the table
+then -r times from an empty cache (or one filled with -d tokens first, untimed); t/s is mean ± std over the repetitions. For tg the table
 also shows the weight bytes the CPU reads from RAM per token (active experts only) turned into
 GB/s, next to the streaming read bandwidth measured right after the test; with a GPU, a second
 column counts all weights, wherever they are read.
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     add_model_args(p, lists=True)
     p.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths (comma list)")
     p.add_argument("-n", "--n-gen", type=int_list, default=[128], help="tokens to generate (comma list)")
+    p.add_argument("-d", "--n-depth", type=int_list, default=[0],
+                   help="tokens in the cache before each test (comma list)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions of each test")
     p.add_argument("-t", "--threads", type=int_list, default=None, help="threads (comma list; default: all cores)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch (tokens per eval call)")
@@ -52,17 +55,25 @@ def parse_args(argv=None):
     return args
 
 
-def run_pp(llm, n_prompt, n_batch, rng):
-    ids = rng.integers(0, llm.cfg.n_vocab, n_prompt).tolist()
+def fill_cache(llm, depth, n_batch, rng):
+    """Empty the cache, then decode `depth` random tokens into it (untimed)."""
     llm.reset()
+    ids = rng.integers(0, llm.cfg.n_vocab, depth).tolist()
+    for s in range(0, depth, n_batch):
+        llm._decode(ids[s:s + n_batch], all_logits=False)
+
+
+def run_pp(llm, n_prompt, n_batch, rng, depth=0):
+    ids = rng.integers(0, llm.cfg.n_vocab, n_prompt).tolist()
+    fill_cache(llm, depth, n_batch, rng)
     t0 = time.perf_counter()
     for s in range(0, n_prompt, n_batch):
         llm._decode(ids[s:s + n_batch], all_logits=False)
     return time.perf_counter() - t0
 
 
-def run_tg(llm, n_gen, rng):
-    llm.reset()
+def run_tg(llm, n_gen, rng, n_batch=2048, depth=0):
+    fill_cache(llm, depth, n_batch, rng)
     tok = int(rng.integers(0, llm.cfg.n_vocab))
     t0 = time.perf_counter()
     for _ in range(n_gen):
@@ -70,8 +81,11 @@ def run_tg(llm, n_gen, rng):
     return time.perf_counter() - t0
 
 
-def run_test(llm, kind, n, args, rng):
-    fn = (lambda: run_pp(llm, n, args.batch_size, rng)) if kind == "pp" else (lambda: run_tg(llm, n, rng))
+def run_test(llm, kind, n, args, rng, depth=0):
+    if kind == "pp":
+        fn = lambda: run_pp(llm, n, args.batch_size, rng, depth)     # noqa: E731
+    else:
+        fn = lambda: run_tg(llm, n, rng, args.batch_size, depth)     # noqa: E731
     fn()  # warm-up
     if kind == "pp":
         fn()  # a prompt plan's second run records its CUDA graphs (the timed runs replay them)
@@ -89,7 +103,7 @@ def main(argv=None):
         from nbmoe.engine import default_threads
         path = resolve_model(args.model)
         threads_list = args.threads or [default_threads()]
-        need = max([1] + args.n_prompt + args.n_gen)
+        need = max(args.n_depth) + max([1] + args.n_prompt + args.n_gen)
         rng = np.random.default_rng(0)
         rows = []
         llm = None
@@ -103,44 +117,52 @@ def main(argv=None):
             for threads in threads_list:
                 llm.threads = threads
                 numba.set_num_threads(threads)
-                for kind, n in tests(args):
+                for kind, n, depth in tests(args):
                     # a cold start: a second process compiles generation's kernels during pp
-                    ahead = [1] if kind == "pp" and any(k == "tg" for k, _ in tests(args)) else []
+                    ahead = [1] if kind == "pp" and any(k == "tg" for k, _, _ in tests(args)) else []
                     with CompileProgress(err_console, f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads",
                                          llm, f"bench {kind}", ahead) as progress:
                         if kind == "tg":
                             wait_ahead(progress)
-                        times = run_test(llm, kind, n, args, rng)
+                        times = run_test(llm, kind, n, args, rng, depth)
                     # the RAM's speed drifts on shared hosts: read it right after the test it rates
                     bw = read_bandwidth() if kind == "tg" and not args.no_bandwidth else None
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
-                                         bw, ngl, ub))
+                                         bw, ngl, ub, depth))
                     if args.output == "md":
-                        err_console.print(f"  {kind}{n} ngl={ngl} ub={ub} rtr={int(rtr)} "
+                        err_console.print(f"  {test_name(rows[-1])} ngl={ngl} ub={ub} rtr={int(rtr)} "
                                           f"zce={rows[-1]['zero_copy_experts']} fa={llm.flash_attn} "
                                           f"fmoe={c['fmoe']} muge={c['muge']} uae={c['uae']} "
                                           f"t={threads}: {rows[-1]['avg_ts']:.2f} t/s")
                     if args.timings:
-                        show_timings(llm, kind, n, args.batch_size, rng)
+                        show_timings(llm, kind, n, args.batch_size, rng, depth)
         print_rows(rows, args.output, facts, args)
 
 
 def tests(args):
-    return [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+    """(kind, n, depth) of every test, in llama-bench's order: the depths innermost."""
+    return [(k, n, d) for k, ns in (("pp", args.n_prompt), ("tg", args.n_gen))
+            for n in ns if n > 0 for d in args.n_depth]
 
 
-def show_timings(llm, kind, n, n_batch, rng):
+def test_name(row):
+    """llama-bench's test column: pp512, tg128, tg128 @ d8192."""
+    name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+    return name + (f" @ d{row['n_depth']}" if row["n_depth"] else "")
+
+
+def show_timings(llm, kind, n, n_batch, rng, depth=0):
     """Run the test once more with every step timed (GPU steps waited for); print the
     breakdown per token. Decoding with CUDA graphs: a second table times each graph whole."""
-    _timed_run(llm, kind, n, n_batch, rng, False)
+    _timed_run(llm, kind, n, n_batch, rng, False, depth)
     if kind == "tg" and len(llm.backends) > 1:
-        _timed_run(llm, kind, n, n_batch, rng, True)
+        _timed_run(llm, kind, n, n_batch, rng, True, depth)
 
 
-def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
+def _timed_run(llm, kind, n, n_batch, rng, whole_graphs, depth):
     from nbmoe.sched.explain import timings_table
     from nbmoe.sched.scheduler import new_timing_table
-    llm.reset()
+    fill_cache(llm, depth, n_batch, rng)
     acc = new_timing_table(whole_graphs)
     if llm.ep:
         llm.ep.timed.clear()
@@ -164,7 +186,7 @@ def _timed_run(llm, kind, n, n_batch, rng, whole_graphs):
             highlight=False)
 
 
-def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
+def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub, depth=0):
     ts = np.array([n / t for t in times])
     gpus = [b for b in llm.backends if b != "CPU"]
     return dict(
@@ -179,7 +201,7 @@ def make_row(llm, path, facts, args, threads, kind, n, times, bw, ngl, ub):
         zero_copy_experts=llm.zce_share,         # (-zce auto: the share at the test's end)
         fused_moe=int(llm.fused_moe), upload_all_experts=int(llm.upload_all_experts),
         merge_up_gate=int(llm.merge_up_gate),
-        n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
+        n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, n_depth=depth,
         test_time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         avg_ns=int(np.mean(times) * 1e9), stddev_ns=int(np.std(times) * 1e9),
         avg_ts=float(ts.mean()), stddev_ts=float(ts.std()),
@@ -211,7 +233,7 @@ def print_rows(rows, fmt, facts, args=None):
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "backend", "test", "ot") else "right")
     for r in rows:
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        test = test_name(r)
         gbs, all_gbs = "", []
         if r["ram_weight_gbs"]:       # weights read from RAM by the CPU, vs the CPU's bandwidth
             gbs = f"{r['ram_weight_gbs']:.1f}"

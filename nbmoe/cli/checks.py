@@ -49,6 +49,7 @@ RULES = {
     # bench
     "n_prompt": (at_least(0), "0 or more (0 = no prompt test)"),
     "n_gen": (at_least(0), "0 or more (0 = no generation test)"),
+    "n_depth": (at_least(0), "0 or more (0 = an empty cache)"),
     "repetitions": (at_least(1), "at least 1"),
     "batch_size": (at_least(1), "at least 1"),
 }
