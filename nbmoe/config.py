@@ -53,6 +53,12 @@ OMP_WAIT_POLICY = "PASSIVE"
 # NUMBA_THREADING_LAYER(_PRIORITY): unless set, Numba's threading layers are tried in this order.
 THREADING_LAYERS = ("omp", "tbb", "workqueue")
 
+# ---- Model graphs
+# MLA prompt batches of at least this many tokens attend in the expanded form (a key and value
+# per head and cached token, made once a batch): per cached token it costs R (Dn + Dv) products
+# a head, and saves the batch's tokens (R + R - Dn - Dv) each; even near 170 tokens (DeepSeek).
+MLA_EXPAND_MIN_TOKENS = env_int("NBMOE_MLA_EXPAND_MIN_TOKENS", 128)
+
 # ---- Placement
 # -zce auto: the share of a token's chosen experts that a GPU computes from RAM in place, to start
 # with (zero_copy.ShareBalancer moves it while generating; tools/zce_sweep.py finds the best fixed one).

@@ -23,6 +23,7 @@ from nbmoe.model.kv_cache import KVCache
 from nbmoe.model.forward import build_graph, check_tensors
 from nbmoe.sched.placement import is_rank, moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.merge import merge_up_gate as merge_tensors
+from nbmoe.loader.mla import add_expansion_weights
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched import scheduler
@@ -72,6 +73,7 @@ class LLM:
         self.weights = {n: t for n, t in self.file.tensors.items() if self.cfg.runs_tensor(n)}
         self.weights.setdefault("output.weight", self.weights["token_embd.weight"])
         self.placement = self._place(n_gpu_layers, override_tensors, cpu_moe, n_cpu_moe)
+        add_expansion_weights(self.cfg, self.weights, self.placement)    # MLA prompts (loader/mla.py)
         self.threads = usable_threads(threads)
         # -muge: gate and up experts as one tensor, merged where they live (loader/merge.py)
         self.merge_notes = None
@@ -264,7 +266,7 @@ class LLM:
         key = (n_tokens, n_logits, share, "rows" if per_row else self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,
-                            self.merged_layers, per_row)
+                            self.merged_layers, per_row, self.mla_expands(n_tokens, per_row))
             if share:       # -zce: a GPU computes part of each layer's chosen experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
                                        for il in range(self.cfg.n_layer)])
@@ -275,6 +277,12 @@ class LLM:
                                          prompt_graphs=len(self.slots) == 1)
             self._warn_no_flash()
         return self._plans[key]
+
+    def mla_expands(self, n_tokens, per_row=False):
+        """Whether a batch's MLA attention takes the expanded form (model/forward.py): a prompt
+        batch of config.MLA_EXPAND_MIN_TOKENS or more, with flash attention, over an f16 cache."""
+        return (self.cfg.is_mla and not per_row and n_tokens >= config.MLA_EXPAND_MIN_TOKENS
+                and self.flash_attn != "off" and self.kv.type_k == "f16")
 
     def _warn_no_flash(self):
         """-fa on: one warning per backend and head dim whose prompts have no flash kernel."""

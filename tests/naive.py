@@ -114,7 +114,7 @@ def attention(q, k_all, v_all, pos0, scale, window=0, sinks=None):
     """
     T, H, Dh = q.shape
     G = H // k_all.shape[1]
-    out = np.zeros((T, H, Dh))
+    out = np.zeros((T, H, v_all.shape[2]))      # values may be narrower (MLA expanded)
     for t in range(T):
         p = pos0 + t
         js = [j for j in range(p + 1) if window == 0 or j > p - window]

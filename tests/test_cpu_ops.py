@@ -236,6 +236,49 @@ def test_attention_long_context(T, window):
         assert max_rel(out, ref) < RTOL
 
 
+@pytest.mark.parametrize("T", [7, 40])
+def test_attention_values_narrower_than_keys(T):
+    """MLA's expanded form: keys of 48, values of 32 (one kv head a query head), flash only."""
+    H, Dk, Dv, pos0 = 4, 48, 32, 30
+    q, kc, _, k_all, _ = _attn_case(T, H, H, Dk, pos0, seed=T)
+    vc = np.zeros((160, H, Dv), np.uint16)
+    v = rnd(pos0 + T, H, Dv, seed=T + 9)
+    att.store_kv(vc, vc, v, v, 0)
+    ref = naive.attention(q, k_all, naive.f16_round(v), pos0, 0.2, 0)
+    for fn in (att.attention, flash.flash_seq, flash.flash_par):
+        out = np.full((T, H, Dv), np.nan, np.float32)
+        fn(out, q, kc, vc, pos0, 0.2, 0, ops.EMPTY)
+        assert max_rel(out, ref) < RTOL, fn
+    with pytest.raises(ValueError, match="flash"):
+        att.attention(np.empty((T, H, Dv), np.float32), q, kc, vc, pos0, 0.2, 0, ops.EMPTY, False)
+
+
+@pytest.mark.parametrize("ctype", ["f16", "q8_0"])
+def test_mla_latents_and_expand(ctype):
+    """cpu/mla.py: the latents of cache rows [latent R, k_pe Dr], and each head's key [kv's Dn
+    columns, k_pe] and value (kv's next Dv) as f16, from a product's rows kv [n, H (Dn + Dv)]."""
+    from nbmoe.cpu import mla
+    from nbmoe.cpu.kv_rows import load_row, store_rows
+    n, R, Dr, H, Dn, Dv = 9, 64, 32, 3, 16, 8
+    rows = rnd(n, R + Dr, seed=1)
+    cache = np.zeros((12, 1, R + Dr) if ctype == "f16" else (12, 1, (R + Dr) // 32 * 34),
+                     np.uint16 if ctype == "f16" else np.uint8)
+    store_rows(cache[:n, 0], rows)
+    stored = np.empty_like(rows)
+    for j in range(n):
+        load_row(stored[j], cache[j, 0])
+    lat = np.empty((n, R), np.float32)
+    mla.latents(lat, cache[:n], R + Dr)
+    assert np.array_equal(lat, stored[:, :R])
+    kv = rnd(n, H * (Dn + Dv), seed=2)
+    keys, values = np.empty((n, H, Dn + Dr), np.uint16), np.empty((n, H, Dv), np.uint16)
+    mla.expand(keys, values, kv, cache[:n], R + Dr)
+    heads = kv.reshape(n, H, Dn + Dv)
+    want_k = np.concatenate([heads[:, :, :Dn], np.repeat(stored[:, None, R:], H, 1)], -1)
+    assert np.array_equal(keys.view(np.float16), want_k.astype(np.float16))
+    assert np.array_equal(values.view(np.float16), heads[:, :, Dn:].astype(np.float16))
+
+
 def test_cache_overflow_raises():
     kc = np.zeros((8, 2, 16), np.uint16)
     k = np.zeros((3, 2, 16), np.float32)

@@ -162,6 +162,29 @@ def test_deepseek2_matches_reference(tiny_model, variant, qtype, fused, monkeypa
     matches_reference(llm, f"deepseek2 {variant} {qtype} fused={fused}")
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("variant", ["v2-lite", "v3"])
+def test_deepseek2_expanded_prompts_match_reference(tiny_model, variant, qtype, monkeypatch):
+    """Prompt batches in MLA's expanded form (config.MLA_EXPAND_MIN_TOKENS lowered to 2): each
+    head's keys and values made from the cached latents through attn_kv_b, made at load from
+    k_b and v_b; two batches (the second over the first's cache), then tokens one at a time
+    (absorbed): cosine >= 0.999 per position against the float64 reference (Q8_0: attn_kv_b's
+    k_b part is quantized a second time, transposed: median 0.999, each >= 0.995)."""
+    from nbmoe import config
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    monkeypatch.setattr(config, "MLA_EXPAND_MIN_TOKENS", 2)
+    llm = nbmoe.load(_deepseek(tiny_model, variant, qtype), n_ctx=64, threads=2)
+    assert llm.mla_expands(5) and not llm.mla_expands(1)
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT + PROMPT[:4])
+    got = np.concatenate([llm.eval(PROMPT[:9]), llm.eval(PROMPT[9:]), llm.eval(PROMPT[:1]),
+                          llm.eval(PROMPT[1:4])])
+    cos = cosine_rows(got, want)
+    print(f"deepseek2 {variant} {qtype} expanded: min cosine {cos.min():.6f} median {np.median(cos):.6f}")
+    assert np.median(cos) >= 0.999 and cos.min() >= (0.999 if qtype == "F32" else 0.995)
+    paths = llm.backends["CPU"].attn_paths
+    assert paths[(9, 48)].startswith("flash, MLA expanded") and paths[(1, 80)].startswith("one-token")
+
+
 def test_deepseek2_int8_path(tiny_model):
     """The default path (8-bit activations) on Q8_0: close to the float64 math (median; a
     rounding may flip a near-tied expert at a position)."""

@@ -52,6 +52,7 @@ class Backend:
         self.flash_attn = flash_attn    # -fa: "auto" | "on" | "off", read when ATTN binds
         self.attn_paths = {}            # (T, Dh) -> the attention kernel bound (--explain)
         self.no_flash = set()           # -fa on: head dims of prompts with no flash kernel
+        self.mla_scratch = {}           # MLA's expanded keys and values (backends/mla.py)
 
     # -- what subclasses provide ----------------------------------------------------------
     def alloc(self, shape, dtype):
@@ -184,6 +185,9 @@ class Backend:
     def bind_attn(self, node, buf, state):
         if "kv_row" in node.srcs:
             return self._bind_attn_rows(node, buf, state)
+        if "expand" in node.params:     # MLA's expanded form (prompts)
+            from nbmoe.backends.mla import bind_expanded_attn
+            return bind_expanded_attn(self, node, buf, state)
         out, q, k, v, pos = (buf[n] for n in (node.out,) + node.srcs)
         layer = node.params["layer"]
         scale, window, attn = node.params["scale"], node.params["window"], self.attn
@@ -305,8 +309,9 @@ class CPUBackend(Backend):
 
     def __init__(self, tensors, repacked=None, flash_attn="auto"):
         super().__init__(tensors, flash_attn)
-        from nbmoe.cpu import attention, blocks, fused, matmul, moe, ops
+        from nbmoe.cpu import attention, blocks, fused, matmul, mla, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
+        self.mla = mla
         self.blocks = blocks
         self.max_vec_t = matmul.BLAS_MIN_T - 1
         self.repacked = repacked or {}  # name -> (array, repacked qtype): -rtr (repack.py)

@@ -381,7 +381,8 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks):
 # ---------------------------------------------------------------- attention
 
 def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY, fa=True):
-    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dh] may alias q.
+    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dv] may alias
+    q (Dv: the value rows' width, Dh but for MLA's expanded form, which takes the flash kernel).
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G] over the keys
     j <= pos0 + t, and j > pos0 + t - window when window > 0 (its `window` most recent
@@ -392,6 +393,8 @@ def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY, fa=T
     """
     if sinks.shape[0] not in (0, q.shape[1]):
         raise ValueError(f"attention: {sinks.shape[0]} sinks for {q.shape[1]} heads")
+    if out.shape[2] != q.shape[2] and (q.shape[0] == 1 or not fa):
+        raise ValueError("attention: values narrower than keys (MLA expanded) need the flash kernel")
     if q.shape[0] == 1:
         decode_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
     elif fa:

@@ -1,6 +1,7 @@
 """Tiled (flash) causal attention for prompt batches (T > 1) over the KV cache, on CPU.
 
-Letters: T tokens, H query heads, Hkv kv heads, G = H // Hkv, Dh head dim (as in attention.py);
+Letters: T tokens, H query heads, Hkv kv heads, G = H // Hkv, Dh head dim (as in attention.py;
+Dv the value heads' width, out's last axis: Dh except in MLA's expanded form, Dh 192, Dv 128);
 BQ tokens per query tile, M = BQ * G query rows of a tile, Mp = M rounded up to MC; BK keys
 per key tile.
 
@@ -43,7 +44,7 @@ _row_max = stack_f32(MC)
 
 
 # ---------------------------------------------------------------- micro-kernels
-# St [BK, Mp], Qt [Dh, Mp], Kc, Vc [BK, Dh], O [Mp, Dh], all float32, C-contiguous.
+# St [BK, Mp], Qt [Dh, Mp], Kc [BK, Dh], Vc [BK, Dv], O [Mp, Dv], all float32, C-contiguous.
 
 @njit(cache=True, error_model="numpy", fastmath=FM_DOT)
 def _scores(St, mx, Qt, Kc, Mp, nkp, Dh):
@@ -155,7 +156,7 @@ def sink_norm(m, l, sinks, h):
 def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g, sc):
     """out[t0:t1, heads of kv head g] for one query tile; sc: the task's scratch (_scratch)."""
     Qt, Kc, Vc, St, O, stats, lo, hi = sc
-    Hkv, Dh = k_cache.shape[1], q.shape[2]
+    Hkv, Dh, Dv = k_cache.shape[1], q.shape[2], out.shape[2]
     G = q.shape[1] // Hkv
     M = (t1 - t0) * G
     Mp = (M + MC - 1) // MC * MC
@@ -173,7 +174,7 @@ def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g,
                 Qt[i, m] = 0.0
             lo[m] = 1
             hi[m] = 0
-        for i in range(Dh):
+        for i in range(Dv):
             O[m, i] = 0.0
         stats[0, m] = NINF
         stats[1, m] = 0.0
@@ -193,27 +194,27 @@ def _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, t1, g,
         if k0 + nk > pos0 + t0 + 1 or k0 < lo_last or nkp > nk:
             _mask(St, stats[3], lo, hi, k0, nk, Mp)
         _softmax_step(St, stats, Mp, nk)
-        _pv(O, St, Vc, stats[2], Mp, nk, Dh)
+        _pv(O, St, Vc, stats[2], Mp, nk, Dv)
     for m in range(M):
         h = g * G + m % G
         inv = sink_norm(stats[0, m], stats[1, m], sinks, h)
         dst = out[t0 + m // G, h]
-        for i in range(Dh):
+        for i in range(Dv):
             dst[i] = O[m, i] * inv
 
 
 @njit(cache=True, error_model="numpy")
-def _scratch(G, Dh):
+def _scratch(G, Dh, Dv):
     """A task's float32 tiles Qt, Kc, Vc, St, O, stats and int32 key bounds lo, hi."""
     Mp = (BQ * G + MC - 1) // MC * MC
     return (np.empty((Dh, Mp), np.float32), np.empty((BK, Dh), np.float32),
-            np.empty((BK, Dh), np.float32), np.empty((BK, Mp), np.float32),
-            np.empty((Mp, Dh), np.float32), np.empty((5, Mp), np.float32),
+            np.empty((BK, Dv), np.float32), np.empty((BK, Mp), np.float32),
+            np.empty((Mp, Dv), np.float32), np.empty((5, Mp), np.float32),
             np.empty(Mp, np.int32), np.empty(Mp, np.int32))
 
 
 # ---------------------------------------------------------------- drivers
-# out, q [T, H, Dh] float32 (out may alias q: a tile reads its q rows before writing them);
+# q [T, H, Dh], out [T, H, Dv] float32 (out may alias q: a tile reads its q rows first);
 # k_cache, v_cache [C, Hkv, row] (any cache type) holding rows 0 .. pos0 + T - 1; sinks [H] or size 0.
 
 @njit(cache=True, error_model="numpy")
@@ -221,7 +222,7 @@ def flash_seq(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     """Query tiles and kv heads one after another."""
     T, H, Dh = q.shape
     Hkv = k_cache.shape[1]
-    sc = _scratch(H // Hkv, Dh)
+    sc = _scratch(H // Hkv, Dh, out.shape[2])
     for t0 in range(0, T, BQ):
         for g in range(Hkv):
             _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, min(T, t0 + BQ), g, sc)
@@ -237,7 +238,7 @@ def flash_par(out, q, k_cache, v_cache, pos0, scale, window, sinks):
     n_pair = (nq + 1) // 2
     for task in prange(n_pair * Hkv):
         i, g = task // Hkv, task % Hkv
-        sc = _scratch(H // Hkv, Dh)
+        sc = _scratch(H // Hkv, Dh, out.shape[2])
         for r in range(1 if 2 * i + 1 == nq else 2):
             t0 = (i if r == 0 else nq - 1 - i) * BQ
             _query_tile(out, q, k_cache, v_cache, pos0, scale, window, sinks, t0, min(T, t0 + BQ), g, sc)

@@ -112,3 +112,10 @@ def _store_row(dst, src):
 def _load_row(dst, src):
     f = _LOAD[np.dtype(_NB[src.dtype])]
     return lambda dst, src: f(dst, src)
+
+
+@njit(cache=True, error_model="numpy")
+def store_rows(dst, src):
+    """Each row of dst [N, row] (any cache type) = the same row of src [N, Dh] float32."""
+    for i in range(src.shape[0]):
+        store_row(dst[i], src[i])

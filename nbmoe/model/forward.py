@@ -13,12 +13,12 @@ from nbmoe.model.graph import Graph
 
 
 def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True, merged=frozenset(),
-                per_row=False):
+                per_row=False, mla_expand=False):
     """Graph for one micro-batch of `n_tokens`; logits for its last `n_logits` rows.
     fused_moe (-fmoe): the experts' gate, up and GLU form one op, MUL_MAT_ID_GLU (moe_ffn).
     merged: the layers whose gate and up experts are one tensor, ffn_gate_up_exps (-muge).
     per_row: each row is the next token of its own sequence (Graph's kv_row); attention
-    reads the row's sequence only."""
+    reads the row's sequence only. mla_expand: MLA attends in the expanded form (prompts)."""
     T, D = n_tokens, cfg.n_embd
     f, eps = cfg.flags, cfg.norm_eps
     g = Graph(T, per_row)
@@ -27,7 +27,10 @@ def build_graph(cfg, n_tokens, n_logits, output_weight, fused_moe=True, merged=f
         g.add_node("SCALE", "x", (T, D), ["x"], s=math.sqrt(D))
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
-        (mla_attention if cfg.is_mla else attention)(g, cfg, p, il, T)
+        if cfg.is_mla:
+            mla_attention(g, cfg, p, il, T, mla_expand)
+        else:
+            attention(g, cfg, p, il, T)
         # feed-forward: pre-norm, then dense GLU or the MoE block
         g.add_node("RMS_NORM", "h", (T, D), ["x"], p + f.ffn_norm + ".weight", eps=eps)
         if cfg.is_moe_layer(il):
@@ -81,14 +84,17 @@ def attention(g, cfg, p, il, T):
     g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
 
 
-def mla_attention(g, cfg, p, il, T):
+def mla_attention(g, cfg, p, il, T, expand=False):
     """x += o(v_b(attn(q', kv))): multi-head latent attention with k_b absorbed into the query.
     A token's key is its normed latent [R] and a roped part [Dr], one kv head that the cache
     keeps (KVCache, R + Dr per token); head h's query is [q_nope_h @ k_b[h], rope(q_pe_h)], so
     q' . key = q_h . [k_b[h] latent, k_pe]. The same rows serve as values: the first R columns
     of the output (sum_j p_j latent_j) go through v_b[h]; its last Dr are not used.
     The head parts are column windows of one buffer (params cols: the columns of each src head
-    an op reads, at: the first column of each out head it writes), so no op copies them."""
+    an op reads, at: the first column of each out head it writes), so no op copies them.
+    expand (prompt batches): ATTN gives every cached token its head's key [k_b[h]^T latent,
+    k_pe] and value v_b[h] latent (params expand: loader/mla.py's attn_kv_b) and attends with
+    the plain q [q_nope, rope(q_pe)]: Dn + Dr and Dv products a key, not R + Dr and R."""
     D, H, R, Dn, Dr, eps = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.n_rot, cfg.norm_eps
     Dv, K = cfg.v_head_dim, cfg.kv_lora_rank + cfg.n_rot
     rope = dict(n_rot=Dr, freqs=cfg.rope_freqs(il), mscale=cfg.rope_mscale, neox=cfg.flags.rope_neox)
@@ -102,16 +108,22 @@ def mla_attention(g, cfg, p, il, T):
     if cfg.q_lora_rank:
         g.add_node("RMS_NORM", "q_a", (T, cfg.q_lora_rank), ["q_a"], p + "attn_q_a_norm.weight", eps=eps)
         g.add_node("MUL_MAT", "q", (T, H, Dn + Dr), ["q_a"], p + "attn_q_b.weight")      # [T, H, Dn+Dr]
-    # q' = [q_nope @ k_b, rope(q_pe)]                                                    [T, H, R+Dr]
-    g.add_node("MUL_MAT_HEADS", "q_mla", (T, H, K), ["q"], p + "attn_k_b.weight", cols=(0, Dn), at=0)
-    g.add_node("ROPE", "q_mla", (T, H, K), ["q", "pos", "q_mla"], **rope, cols=(Dn, Dn + Dr), at=R)
+    if expand:                   # q = [q_nope, rope(q_pe)], in place                      [T, H, Dn+Dr]
+        g.add_node("ROPE", "q", (T, H, Dn + Dr), ["q", "pos"], **rope, cols=(Dn, Dn + Dr), at=Dn)
+    else:                        # q' = [q_nope @ k_b, rope(q_pe)]                          [T, H, R+Dr]
+        g.add_node("MUL_MAT_HEADS", "q_mla", (T, H, K), ["q"], p + "attn_k_b.weight", cols=(0, Dn), at=0)
+        g.add_node("ROPE", "q_mla", (T, H, K), ["q", "pos", "q_mla"], **rope, cols=(Dn, Dn + Dr), at=R)
     # the token's cache row: [norm(latent), rope(k_pe)], in place
     g.add_node("RMS_NORM", "kv", (T, 1, K), ["kv"], p + "attn_kv_a_norm.weight", eps=eps, cols=(0, R), at=0)
     g.add_node("ROPE", "kv", (T, 1, K), ["kv", "pos"], **rope, cols=(R, K), at=R)
-    g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"] + _kv_rows(g), layer=il,
-               scale=cfg.attn_scale, window=0, sinks=None)
-    g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn"], p + "attn_v_b.weight",   # [T, H, Dv]
-               cols=(0, R), at=0)
+    if expand:                   # attention with each head's own keys and values           [T, H, Dv]
+        g.add_node("ATTN", "attn_v", (T, H, Dv), ["q", "kv", "kv", "pos"], layer=il,
+                   scale=cfg.attn_scale, window=0, sinks=None, expand=p + "attn_kv_b.weight")
+    else:
+        g.add_node("ATTN", "attn", (T, H, K), ["q_mla", "kv", "kv", "pos"] + _kv_rows(g), layer=il,
+                   scale=cfg.attn_scale, window=0, sinks=None)
+        g.add_node("MUL_MAT_HEADS", "attn_v", (T, H, Dv), ["attn"], p + "attn_v_b.weight",  # [T, H, Dv]
+                   cols=(0, R), at=0)
     g.add_node("MUL_MAT", "o", (T, D), ["attn_v"], p + "attn_output.weight")             # [T, D]
     g.add_node("ADD", "x", (T, D), ["x", "o"])                                          # residual
 

@@ -301,7 +301,7 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         if node.cause == "zc":
             deferred.append((step, label, node.backend, node.outs))
             continue
-        if graph_mode and node.backend != "CPU" and node.cause != "off":
+        if graph_mode and node.backend != "CPU" and node.cause != "off" and not getattr(step, "eager", False):
             record_on[len(steps)] = node.backend
         steps.append(step)
         runs_on.append(node.backend)
