@@ -280,9 +280,13 @@ class LLM:
 
     def mla_expands(self, n_tokens, per_row=False):
         """Whether a batch's MLA attention takes the expanded form (model/forward.py): a prompt
-        batch of config.MLA_EXPAND_MIN_TOKENS or more, with flash attention, over an f16 cache."""
-        return (self.cfg.is_mla and not per_row and n_tokens >= config.MLA_EXPAND_MIN_TOKENS
-                and self.flash_attn != "off" and self.kv.type_k == "f16")
+        batch of config.MLA_EXPAND_MIN_TOKENS or more, with flash attention, over an f16 cache,
+        where every backend has a flash kernel for its key and value widths."""
+        c = self.cfg
+        return (c.is_mla and not per_row and n_tokens >= config.MLA_EXPAND_MIN_TOKENS
+                and self.flash_attn != "off" and self.kv.type_k == "f16"
+                and all(be.attn.flash_used(n_tokens, c.qk_nope_dim + c.n_rot, ("f16", "f16"),
+                                           c.v_head_dim) for be in self.backends.values()))
 
     def _warn_no_flash(self):
         """-fa on: one warning per backend and head dim whose prompts have no flash kernel."""

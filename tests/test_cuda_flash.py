@@ -110,6 +110,46 @@ def test_flash_attention(T, H, Hkv, Dh, pos0, window):
         check("flash in place", dq.copy_to_host(), ref, RTOL_F16)   # out aliases q
 
 
+@pytest.mark.parametrize("T,H,Dh,Dv,pos0", [
+    (20, 2, 192, 128, 5),      # DeepSeek's expanded MLA heads: keys staged word by word
+    (9, 4, 48, 32, 30),        # the tiny test models' (two key steps)
+])
+def test_flash_values_narrower_than_keys(T, H, Dh, Dv, pos0):
+    """MLA's expanded form (cuda/mla.py): f16 keys [C, H, Dh] and values [C, H, Dv], one kv
+    head a query head, out [T, H, Dv]."""
+    assert flash.supported(Dh, ("f16", "f16"), Dv) and not flash.supported(Dh)
+    C = pos0 + T + 2
+    q = naive.rnd(T, H, Dh, seed=T, scale=2.0)
+    k = np.random.default_rng(T + 1).standard_normal((C, H, Dh)).astype(np.float16)
+    v = np.random.default_rng(T + 2).standard_normal((C, H, Dv)).astype(np.float16)
+    ref = naive.attention(q, k.astype(np.float64), v.astype(np.float64), pos0, 0.1, 0)
+    out = poisoned((T, H, Dv))
+    att.attention(out, dev(q), dev(k.view(np.uint16)), dev(v.view(np.uint16)),
+                  dev(np.arange(pos0, pos0 + T, dtype=np.int32)), 0.1, 0)
+    check(f"flash T={T} H={H} Dh={Dh} Dv={Dv}", out.copy_to_host(), ref, RTOL_F16)
+    with pytest.raises(ValueError, match="flash"):
+        att.attention(poisoned((T, H, Dv)), dev(q), dev(k.view(np.uint16)), dev(v.view(np.uint16)),
+                      pos0, 0.1, 0, fa=False)
+
+
+def test_mla_latents_and_expand():
+    """cuda/mla.py, as tests/test_cpu_ops.py checks cpu/mla.py: the latents of f16 cache rows
+    [latent R, k_pe Dr], and each head's f16 key [kv's Dn columns, k_pe] and value."""
+    from nbmoe.cuda import mla
+    n, R, Dr, H, Dn, Dv = 5, 32, 16, 2, 16, 8
+    rows = naive.rnd(n, 1, R + Dr, seed=1).astype(np.float16)
+    lat = cuda.device_array((n, R), np.float32)
+    mla.latents(lat, dev(rows.view(np.uint16)), R + Dr)
+    assert np.array_equal(lat.copy_to_host(), rows[:, 0, :R].astype(np.float32))
+    kv = naive.rnd(n, H * (Dn + Dv), seed=2)
+    keys, values = cuda.device_array((n, H, Dn + Dr), np.uint16), cuda.device_array((n, H, Dv), np.uint16)
+    mla.expand(keys, values, dev(kv), dev(rows.view(np.uint16)), R + Dr)
+    heads = kv.reshape(n, H, Dn + Dv)
+    want_k = np.concatenate([heads[:, :, :Dn], np.repeat(rows[:, :, R:].astype(np.float32), H, 1)], -1)
+    assert np.array_equal(keys.copy_to_host().view(np.float16), want_k.astype(np.float16))
+    assert np.array_equal(values.copy_to_host().view(np.float16), heads[:, :, Dn:].astype(np.float16))
+
+
 @pytest.mark.parametrize("pos0,window,sink", [
     (40, 0, False),     # 41 keys over 3 splits of a 64-slot cache (P = 4), uneven shares
     (40, 9, True),      # a window: one split, written through the merge; sinks added there

@@ -60,3 +60,22 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
     ref.eval(ids)
     for tok in (17, 200, 5, 9) if long else (17,) if cuda_setup.SIM else (17, 200):
         assert close(llm.eval([tok]), ref.eval([tok]), rel=5e-4)
+
+
+@pytest.mark.skipif(cuda_setup.SIM, reason="CI time (48 s): real GPU only; the simulator runs "
+                    "the kernels alone (test_cuda_flash.py)")
+def test_mla_expanded_prompts_on_the_gpu(tiny_model, monkeypatch):
+    """MLA's expanded prompt form on the GPU (cuda/mla.py, the flash kernel's narrower values),
+    two batches, the second over the first's cache: the CPU engine's logits, also expanded."""
+    from nbmoe import config
+    monkeypatch.setattr(config, "MLA_EXPAND_MIN_TOKENS", 3)
+    path = _family_model(tiny_model, "deepseek2")
+    ids = PROMPT + [5, 9, 250, 33, 12, 7, 64, 3, 91]
+    cut = len(ids) // 2                                  # (more than the decode kernel's 2)
+    llm = load(path, n_gpu_layers=99)
+    ref = nbmoe.load(path, n_ctx=64, threads=2)
+    assert llm.mla_expands(cut) and ref.mla_expands(cut)
+    for part in (ids[:cut], ids[cut:]):
+        assert close(llm.eval(part), ref.eval(part), rel=5e-4)
+    assert llm.backends["CUDA0"].attn_paths[(cut, llm.cfg.qk_nope_dim + llm.cfg.n_rot)].startswith(
+        "flash, MLA expanded")

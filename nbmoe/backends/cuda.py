@@ -164,7 +164,7 @@ class CUDABackend(FusionBinders, Backend):
         self.upload_all = upload_all    # --upload-all-experts: offloaded experts go up whole
         from numba import cuda
 
-        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, moe, norm_rope, ops, x8
+        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, mla, moe, norm_rope, ops, x8
         self.sim = SIM
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = _device_index(name)
@@ -181,6 +181,7 @@ class CUDABackend(FusionBinders, Backend):
         self.stream = cuda.stream()
         self.mm, self.ops, self.attn, self.moe, self.fused, self.norm_rope, self.x8 = (
             _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused, norm_rope, x8))
+        self.mla = _OnStream(mla, self.stream)
         self.resident = {}
         # RAM-resident matrices (uploaded when offloaded), those of them the GPU reads in place
         self.in_ram, self.zero_copy, self.zero_copy_views = set(in_ram) | set(zero_copy), set(zero_copy), {}

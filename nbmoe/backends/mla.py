@@ -31,8 +31,7 @@ def bind_expanded_attn(be, node, buf, state):
     R = K - (Dk - Dn)
     C = state.kv.k[layer].shape[0]
     lat, prod, keys, values = _scratch(be, C, H, R, Dn, Dk, Dv)
-    be.use_flash(T, Dk)                                           # (--explain's record)
-    be.attn_paths[(T, Dk)] = "flash, MLA expanded (keys %d, values %d wide)" % (Dk, Dv)
+    be.attn_paths[(T, Dk)] = f"flash, MLA expanded (keys {Dk}, values {Dv} wide)"   # --explain
     attn, mm, mla = be.attn, be.mm, be.mla
     on_device = be.positions_on_device
 

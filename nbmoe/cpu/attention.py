@@ -403,8 +403,9 @@ def attention(out, q, k_cache, v_cache, pos0, scale, window=0, sinks=EMPTY, fa=T
         plain_attention(out, q, k_cache, v_cache, pos0, scale, window, sinks)
 
 
-def flash_used(T, Dh, kv_types=("f16", "f16")):
-    """Whether a batch has a flash kernel here: every prompt batch (T > 1), any Dh and cache type."""
+def flash_used(T, Dh, kv_types=("f16", "f16"), Dv=None):
+    """Whether a batch has a flash kernel here: every prompt batch (T > 1), any Dh (and value
+    width Dv) and cache type."""
     return T > 1
 
 

@@ -428,7 +428,8 @@ def _buffer(name, shape):
 
 def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None, xds=None,
               sinks=None, fa=True):
-    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dh] may alias q.
+    """Causal GQA attention of q [T, H, Dh] over the cache (any type); out [T, H, Dv] may alias
+    q (Dv: the value rows' width, Dh but for MLA's expanded form, which takes the flash kernel).
 
     pos: the tokens' positions, device int32 [T] with pos[t] = pos[0] + t (or an int pos0).
     The cache must already hold rows 0 .. pos[T-1] (store_kv first). window > 0 limits each
@@ -450,7 +451,10 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     C = k_cache.shape[0]
     if isinstance(pos, (int, np.integer)) and pos + T > C:
         raise ValueError("attention: positions pos0 .. pos0 + T - 1 are outside the KV cache")
-    if fa and flash_used(T, Dh, (kv_type_of(k_cache), kv_type_of(v_cache))):
+    types = (kv_type_of(k_cache), kv_type_of(v_cache))
+    if out.shape[2] != Dh and not (fa and flash_used(T, Dh, types, out.shape[2])):
+        raise ValueError("attention: values narrower than keys (MLA expanded) need the flash kernel")
+    if fa and flash_used(T, Dh, types, out.shape[2]):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
     if fa and flash_decodes(q, k_cache, v_cache):
@@ -477,11 +481,11 @@ def attention_rows(out, q, k_cache, v_cache, pos, rows, scale, window, sinks, st
                 _sinks(sinks, q.shape[1]), rows=rows)
 
 
-def flash_used(T, Dh, kv_types=("f16", "f16")):
-    """Whether a batch of T tokens with head dim Dh over a cache of these (key, value) types
-    has a flash kernel (flash.py): prompts only (decoding has its key-split kernel), Dh as
-    flash.supported allows."""
-    return T > SPLIT_MAX_T and flash.supported(Dh, kv_types)
+def flash_used(T, Dh, kv_types=("f16", "f16"), Dv=None):
+    """Whether a batch of T tokens with head dim Dh (values: Dv, default Dh) over a cache of
+    these (key, value) types has a flash kernel (flash.py): prompts only (decoding has its
+    key-split kernel), the widths flash.supported allows."""
+    return T > SPLIT_MAX_T and flash.supported(Dh, kv_types, Dv)
 
 
 def flash_decodes(q, k_cache, v_cache):

@@ -3,13 +3,14 @@ it for T > SPLIT_MAX_T tokens unless -fa is off, when Dh is a multiple of 16 (at
 over a KV cache of any type (f16, bf16, q8_0: its tiles are converted to f16 as they are staged).
 
 Letters as in attention.py: T tokens, H query heads, Hkv kv heads, G = H // Hkv query heads per kv
-head, Dh head dim, C cache slots; BQ query rows and BK keys a tile.
+head, Dh head dim (of q and the keys), Dv the values' (out's; Dh but for MLA's expanded form,
+Dh 192 and Dv 128 over f16 arrays: cpu/mla.py), C cache slots; BQ query rows and BK keys a tile.
 
     out[t, h] = softmax_j(scale * q[t, h] . k[j, h // G]) @ v[j, h // G]
     over keys j <= pos0 + t, and j > pos0 + t - window when window > 0; with sinks, one more
     logit sinks[h] (not scaled) of value 0 in each softmax (gpt-oss)
 
-Layouts: q, out float32 [T, H, Dh] (out may alias q); k_cache, v_cache [C, Hkv, row] of the
+Layouts: q, out float32 [T, H, Dh] ([T, H, Dv]; out may alias q); k_cache, v_cache [C, Hkv, row] of the
 cache's type (model/kv_cache.py: f16 uint16 [C, Hkv, Dh], bf16 int16 [C, Hkv, Dh], q8_0 uint8
 [C, Hkv, Dh/32 * 34]); pos int32 [T] on the device, pos[t] = pos[0] + t. Shared memory holds
 tiles in f16 whatever the cache's type: a row is Dh / 2 32-bit words of 2 f16, the lower dim in
@@ -36,6 +37,10 @@ WARPS, KEYS = (2, 16) if SIM else (4, 64)
 # Registers a lane: O is Dh / 2 floats, Q's fragments Dh / 4 words, S BK / 2 floats; Dh 256
 # would spill, and falls back to the warp-per-query kernel.
 MAX_DH = 128
+# Keys up to WIDE_DH wide (f16) with values up to MAX_DH: Q's fragments take 3/2 of the
+# registers, so a step takes WIDE_KEYS keys (S and the staging registers halve).
+WIDE_DH = 192
+WIDE_KEYS = 16 if SIM else 32
 # Blocks an SM must hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS * 32
 # WARPS)); unbounded, Dh 128 took 242 registers (2 blocks an SM).
 MIN_BLOCKS = 2
@@ -51,12 +56,19 @@ DECODE_SPLIT_KEYS = 64
 _kernels = {}
 
 
-def supported(Dh, kv_types=("f16", "f16")):
+def supported(Dh, kv_types=("f16", "f16"), Dv=None):
     """Dh a multiple of 16 (the mma's k) whose Dh / 2 words a row divide a block's threads
     (staging: 16, 32, 64, 128 with 4 warps; not 48, 80, 96, 112), at most MAX_DH; a q8_0
-    cache (blocks of 32 values) needs Dh % 32 == 0, as the cache itself does."""
+    cache (blocks of 32 values) needs Dh % 32 == 0, as the cache itself does. Values of
+    their own width Dv (a width Dh may have; at most MAX_DH): keys up to WIDE_DH, f16 only,
+    staged word by word (any Dh whose words a step's threads share evenly)."""
+    Dv = Dh if Dv is None else Dv
     if "q8_0" in kv_types and Dh % 32:
         return False
+    if Dv != Dh:
+        return (Dv <= MAX_DH and Dv % 16 == 0 and (32 * WARPS) % (Dv // 2) == 0 and Dh % 16 == 0
+                and Dh <= WIDE_DH and kv_types == ("f16", "f16")
+                and (WIDE_KEYS * Dh // 2) % (32 * WARPS) == 0)
     return Dh % 16 == 0 and Dh <= MAX_DH and (32 * WARPS) % (Dh // 2) == 0
 
 
@@ -95,28 +107,31 @@ def split_keys(lo, hi, p, Pa):
     return lo + (p * n) // Pa, lo + ((p + 1) * n) // Pa
 
 
-def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
-    key = (Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT)
+def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False, Dv=None):
+    Dv = Dh if Dv is None else Dv
+    key = (Dh, Dv, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT)
     if key in _kernels:
         return _kernels[key]
     NTH = 32 * WARPS
     BQ = 16 * WARPS
     BK = KEYS
-    DW = Dh // 2                # words of a cache row
+    DW, DWV = Dh // 2, Dv // 2  # words of a key row, of a value row
     DK = Dh // 16               # k-steps of Q K^T
-    DN = Dh // 8                # n-tiles of O
+    DN = Dv // 8                # n-tiles of O
     NT = BK // 8                # n-tiles of S
     KC = BK // 16               # k-steps of P V
     SK = DW + 4
     SV = BK // 2 + 4
-    KS, VS = BK * SK, Dh * SV   # array sizes (a shape must be a constant, not an expression)
+    KS, VS = BK * SK, Dv * SV   # array sizes (a shape must be a constant, not an expression)
     NQ, NO, NS = 4 * DK, 4 * DN, 4 * NT
-    HBK, HBV = row_fns(Dh, KT)[0], row_fns(Dh, VT)[0]     # bytes of a (position, kv head) row
+    HBK, HBV = row_fns(Dh, KT)[0], row_fns(Dv, VT)[0]     # bytes of a (position, kv head) row
     krow, vrow = Hkv * HBK, Hkv * HBV   # bytes of a cache position (Hkv compiled in: constant offsets)
     (klane, kpair), (vlane, vpair) = pair_fn(KT), pair_fn(VT)
-    RP = NTH // DW              # staging: cache rows a pass of the block's threads covers
-    NK = BK // RP               # K words a thread stages a step
-    NV = BK // 2 // RP          # V word pairs a thread stages a step
+    WORDS = NTH % DW != 0       # key rows staged word by word (a wide Dh: its words per thread)
+    RP = max(1, NTH // DW)      # staging: cache rows a pass of the block's threads covers
+    NK = BK * DW // NTH         # K words a thread stages a step
+    RPV = NTH // DWV            # the same for V's rows
+    NV = BK // 2 // RPV         # V word pairs a thread stages a step
     # q8_0 rows are staged raw first (RAWK / RAWV): whole 32-bit words of the rows' bytes, all
     # loads of K and V in flight at once, into Raw (K's, then V's), converted from there
     RAWK, RAWV = KT == "q8_0" and HBK % 4 == 0, VT == "q8_0" and HBV % 4 == 0
@@ -124,9 +139,10 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
     NRK = (BK * RWK + NTH - 1) // NTH if RAWK else 1  # raw words a thread loads a step
     NRV = (BK * RWV + NTH - 1) // NTH if RAWV else 1
     RAWS = max(BK * RWK if RAWK else 1, BK * RWV if RAWV else 1)
-    SAME = KT == VT
+    SAME = KT == VT and Dh == Dv
     from .attention import active_splits
-    assert supported(Dh, (KT, VT)) and BK % 16 == 0 and RP * DW == NTH and NV * RP * 2 == BK
+    assert supported(Dh, (KT, VT), Dv) and BK % 16 == 0 and NV * RPV * 2 == BK and RPV * DWV == NTH
+    assert (WORDS and not RAWK and NK * NTH == BK * DW) or (not WORDS and RP * DW == NTH)
 
     @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
     def flash_kernel(out, part_acc, part_ml, min_keys, q, k_cache, v_cache, pos, scale, window, sinks):
@@ -167,8 +183,10 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
         lim_b = min(pos0 + tb, hi - 1)
         low_a = max(pos0 + ta - window + 1 if window > 0 else 0, lo)
         low_b = max(pos0 + tb - window + 1 if window > 0 else 0, lo)
-        qa_base = (ta * H + hk * G + ra % G) * Dh * 4           # byte offsets of the q / out rows
+        qa_base = (ta * H + hk * G + ra % G) * Dh * 4           # byte offsets of the q rows
         qb_base = (tb * H + hk * G + rb % G) * Dh * 4
+        oa_base = (ta * H + hk * G + ra % G) * Dv * 4           # and of the out rows
+        ob_base = (tb * H + hk * G + rb % G) * Dv * 4
 
         # Q fragments, scaled, in f16 (rows past R: 0)
         qa = cuda.local.array(NQ, u32)
@@ -197,7 +215,9 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
         kr = tid // DW                                # staging: key (pair) and word of this thread
         w = tid - kr * DW
         kw = klane(w)                                 # byte offsets of word w in a cache row
-        vw = vlane(w)
+        krv = tid // DWV                              # (V's: rows of their own width)
+        wv = tid - krv * DWV
+        vw = vlane(wv)
         kfrag = 4 * (g * SK + t4)                     # byte offsets of this lane's fragment words
         vfrag = 4 * (g * SV + t4)
 
@@ -224,11 +244,24 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
                 cuda.syncthreads()
                 for i in range(NK):
                     kst[i] = kpair(Raw, kr * HBK + kw, i * RP * HBK, w)
+            elif WORDS:                                   # word i of the step: key, word
+                for i in range(NK):
+                    wi = tid + NTH * i
+                    key = wi // DW
+                    wk = wi - key * DW
+                    ok = j0 + key < hi
+                    kst[i] = kpair(k_cache, (j0 + key) * krow + hk * HBK + klane(wk), 0, wk) if ok else u32(0)
             else:
                 for i in range(NK):
                     kst[i] = kpair(k_cache, kb, i * RP * krow, w) if j0 + kr + RP * i < hi else u32(0)
-            for i in range(NK):
-                Ks[(kr + RP * i) * SK + w] = kst[i]
+            if WORDS:
+                for i in range(NK):
+                    wi = tid + NTH * i
+                    key = wi // DW
+                    Ks[key * SK + wi - key * DW] = kst[i]
+            else:
+                for i in range(NK):
+                    Ks[(kr + RP * i) * SK + w] = kst[i]
             if RAWV:
                 if RAWK:
                     cuda.syncthreads()                  # K's conversion has read Raw
@@ -236,24 +269,24 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
                     if tid + NTH * i < BK * RWV:
                         Raw[tid + NTH * i] = rv[i]
                 cuda.syncthreads()
-                vr = 2 * kr * HBV + vw
+                vr = 2 * krv * HBV + vw
                 for i in range(NV):
-                    vst0[i] = vpair(Raw, vr, 2 * i * RP * HBV, w)
-                    vst1[i] = vpair(Raw, vr, (2 * i * RP + 1) * HBV, w)
+                    vst0[i] = vpair(Raw, vr, 2 * i * RPV * HBV, wv)
+                    vst1[i] = vpair(Raw, vr, (2 * i * RPV + 1) * HBV, wv)
             else:
                 if SAME:                                # key 2 kr (pair kr)
                     vb = kb + kr * krow
                 else:
-                    vb = (j0 * Hkv + hk) * HBV + 2 * kr * vrow + vw
+                    vb = (j0 * Hkv + hk) * HBV + 2 * krv * vrow + vw
                 for i in range(NV):
-                    j = j0 + 2 * (kr + RP * i)
-                    vst0[i] = vpair(v_cache, vb, 2 * i * RP * vrow, w) if j < hi else u32(0)
-                    vst1[i] = vpair(v_cache, vb, (2 * i * RP + 1) * vrow, w) if j + 1 < hi else u32(0)
+                    j = j0 + 2 * (krv + RPV * i)
+                    vst0[i] = vpair(v_cache, vb, 2 * i * RPV * vrow, wv) if j < hi else u32(0)
+                    vst1[i] = vpair(v_cache, vb, (2 * i * RPV + 1) * vrow, wv) if j + 1 < hi else u32(0)
             for i in range(NV):
-                a, b = vst0[i], vst1[i]               # dims (2w, 2w + 1) of keys 2 jp, 2 jp + 1
-                jp = kr + RP * i
-                Vt[2 * w * SV + jp] = (a & u32(0xFFFF)) | (b << u32(16))
-                Vt[(2 * w + 1) * SV + jp] = (a >> u32(16)) | (b & u32(0xFFFF0000))
+                a, b = vst0[i], vst1[i]               # dims (2wv, 2wv + 1) of keys 2 jp, 2 jp + 1
+                jp = krv + RPV * i
+                Vt[2 * wv * SV + jp] = (a & u32(0xFFFF)) | (b << u32(16))
+                Vt[(2 * wv + 1) * SV + jp] = (a >> u32(16)) | (b & u32(0xFFFF0000))
             cuda.syncthreads()
 
             if active and j0 < w_hi and j0 + BK > w_lo:
@@ -347,23 +380,25 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False):
             for n in range(DN):
                 d = 4 * (8 * n + 2 * t4)
                 if ra < R:
-                    st_f32(out, qa_base, d, o[4 * n] * inv_a)
-                    st_f32(out, qa_base, d + 4, o[4 * n + 1] * inv_a)
+                    st_f32(out, oa_base, d, o[4 * n] * inv_a)
+                    st_f32(out, oa_base, d + 4, o[4 * n + 1] * inv_a)
                 if rb < R:
-                    st_f32(out, qb_base, d, o[4 * n + 2] * inv_b)
-                    st_f32(out, qb_base, d + 4, o[4 * n + 3] * inv_b)
+                    st_f32(out, ob_base, d, o[4 * n + 2] * inv_b)
+                    st_f32(out, ob_base, d + 4, o[4 * n + 3] * inv_b)
 
     _kernels[key] = (flash_kernel, NTH, BQ)
     return _kernels[key]
 
 
 def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, sinks=None):
-    """attention.attention for prompts: q, out [T, H, Dh] (out may alias q), pos a device int32
-    array [T], sinks float32 [H] or None / EMPTY; supported(Dh, the cache types) must hold."""
+    """attention.attention for prompts: q [T, H, Dh], out [T, H, Dv] (out may alias q), pos a
+    device int32 array [T], sinks float32 [H] or None / EMPTY; supported(Dh, the cache types,
+    Dv) must hold."""
     T, H, Dh = q.shape
+    Dv = out.shape[2]
     G = H // k_cache.shape[1]
     kern, nth, bq = _flash_kernel(Dh, k_cache.shape[1], kv_type_of(k_cache), kv_type_of(v_cache),
-                                  WARPS, KEYS, MIN_BLOCKS)
+                                  WARPS, KEYS if Dh <= MAX_DH else WIDE_KEYS, MIN_BLOCKS, Dv=Dv)
     grid = ((T * G + bq - 1) // bq, k_cache.shape[1])
     unused = _unused_parts()
     kern[grid, nth, stream](out, unused, unused, 0, q, k_cache, v_cache, pos, f32(scale), int(window),
