@@ -66,7 +66,8 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
                     "the kernels alone (test_cuda_flash.py)")
 def test_mla_expanded_prompts_on_the_gpu(tiny_model, monkeypatch):
     """MLA's expanded prompt form on the GPU (cuda/mla.py, the flash kernel's narrower values),
-    two batches, the second over the first's cache: the CPU engine's logits, also expanded."""
+    two batches, the second over the first's cache: the CPU engine's logits, also expanded,
+    within the flash kernel's f16 rounding of q and P (test_cuda_flash.py's RTOL_F16)."""
     from nbmoe import config
     monkeypatch.setattr(config, "MLA_EXPAND_MIN_TOKENS", 3)
     path = _family_model(tiny_model, "deepseek2")
@@ -76,6 +77,6 @@ def test_mla_expanded_prompts_on_the_gpu(tiny_model, monkeypatch):
     ref = nbmoe.load(path, n_ctx=64, threads=2)
     assert llm.mla_expands(cut) and ref.mla_expands(cut)
     for part in (ids[:cut], ids[cut:]):
-        assert close(llm.eval(part), ref.eval(part), rel=5e-4)
+        assert close(llm.eval(part), ref.eval(part), rel=3e-3)
     assert llm.backends["CUDA0"].attn_paths[(cut, llm.cfg.qk_nope_dim + llm.cfg.n_rot)].startswith(
         "flash, MLA expanded")
