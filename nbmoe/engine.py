@@ -23,7 +23,7 @@ from nbmoe.model.kv_cache import KVCache
 from nbmoe.model.forward import build_graph, check_tensors
 from nbmoe.sched.placement import is_rank, moe_overrides, parse_overrides, place_tensors
 from nbmoe.loader.merge import merge_up_gate as merge_tensors
-from nbmoe.loader.mla import add_expansion_weights
+from nbmoe.loader.mla import add_expansion_weights, upgrade_kv_b_layout
 from nbmoe.loader.repack import repack_weights
 from nbmoe.text.sampling import Sampler, SamplingParams
 from nbmoe.sched import scheduler
@@ -58,6 +58,7 @@ class LLM:
         self.merge_up_gate = bool(merge_up_gate)
         self.file = GGUFFile(self.path)
         meta = self.file.meta
+        upgrade_kv_b_layout(meta, self.file.tensors)     # older MLA files (loader/mla.py)
         emb = self.file.tensors.get("token_embd.weight")
         self.cfg = config_from_meta(meta, emb.ne[1] if emb is not None else None, self.file.tensors)
         check_tensors(self.cfg, self.file.tensors, cpu_matmul.is_supported)

@@ -214,8 +214,32 @@ def test_deepseek2_config_and_cache(tiny_model):
     assert llm.kv.n_bytes == 2 * 32 * 80 * 2
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_deepseek2_older_kv_b_layout(tiny_model, qtype, monkeypatch):
+    """An older file (one attn_kv_b a layer, key_length = Dn + Dr, H kv heads) loads: its k_b and
+    v_b made from attn_kv_b (loader/mla.py), its prompts expanded through attn_kv_b itself;
+    the float64 reference reads the made k_b / v_b: cosine >= 0.999 (Q8_0: k_b quantized again)."""
+    from nbmoe import config
+    monkeypatch.setattr(matmul, "INT8_DOT", False)
+    monkeypatch.setattr(config, "MLA_EXPAND_MIN_TOKENS", 4)
+    from conftest import TINY
+    path = tiny_model("deepseek2", default_type=qtype, mla=dict(TINY["deepseek2"]["mla"], kv_b=True))
+    llm = nbmoe.load(path, n_ctx=64, threads=2)
+    assert "blk.0.attn_kv_b.weight" in llm.file.tensors and llm.cfg.n_head_kv == 1
+    assert llm.kv.k[0].shape == (64, 1, 80)
+    want = reference.forward(llm.cfg, llm.file.tensors, PROMPT)
+    got = np.concatenate([llm.eval(PROMPT[:9])] + [llm.eval([t]) for t in PROMPT[9:]])
+    cos = cosine_rows(got, want)
+    print(f"deepseek2 kv_b {qtype}: min cosine {cos.min():.6f}")
+    assert cos.min() >= (0.999 if qtype == "F32" else 0.995)
+    if qtype == "F32":      # the made k_b is the file's attn_kv_b rows, transposed, exactly
+        kv_b = llm.file.tensors["blk.0.attn_kv_b.weight"].data.view(np.float32).reshape(4, 64, 64)
+        k_b = llm.file.tensors["blk.0.attn_k_b.weight"].data.view(np.float32).reshape(4, 64, 32)
+        assert np.array_equal(k_b, kv_b[:, :32].transpose(0, 2, 1))
+
+
 def test_deepseek2_refuses_the_old_mla_layout(tiny_model):
-    """A file with the single attn_kv_b (before llama.cpp split it) is one line naming it."""
+    """attn_kv_b beside the split layout's metadata is one line naming it."""
     from nbmoe.errors import NbmoeError
     from nbmoe.model.arch import config_from_meta
     from nbmoe.loader.gguf_file import GGUFFile

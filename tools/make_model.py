@@ -159,10 +159,13 @@ def _deepseek2_plan(n_layer, D, H, n_ff, E, F, n_vocab, tie_embeddings, m):
             plan.append((b + "attn_q.weight", (H * (Dn + Dr), D), "matrix"))    # [H*(Dn+Dr), D]
         plan += [(b + "attn_kv_a_norm.weight", (R,), "norm"),
                  (b + "attn_kv_a_mqa.weight", (R + Dr, D), "matrix"),           # [R+Dr, D]
-                 (b + "attn_k_b.weight", (H, R, Dn), "matrix"),                 # [H, R, Dn]
-                 (b + "attn_v_b.weight", (H, Dv, R), "matrix"),                 # [H, Dv, R]
                  (b + "attn_output.weight", (D, H * Dv), "matrix"),             # [D, H*Dv]
                  (b + "ffn_norm.weight", (D,), "norm")]
+        if m["kv_b"]:                                                           # the older layout
+            plan.append((b + "attn_kv_b.weight", (H * (Dn + Dv), R), "matrix"))  # [H*(Dn+Dv), R]
+        else:
+            plan += [(b + "attn_k_b.weight", (H, R, Dn), "matrix"),             # [H, R, Dn]
+                     (b + "attn_v_b.weight", (H, Dv, R), "matrix")]             # [H, Dv, R]
         if i < m["n_dense"]:
             plan += [(b + "ffn_gate.weight", (n_ff, D), "matrix"), (b + "ffn_up.weight", (n_ff, D), "matrix"),
                      (b + "ffn_down.weight", (D, n_ff), "matrix")]
@@ -186,14 +189,19 @@ def _deepseek2_plan(n_layer, D, H, n_ff, E, F, n_vocab, tie_embeddings, m):
 def _write_deepseek2_keys(w, m, n_head, n_ff_exp):
     """The keys convert_hf_to_gguf.py's DeepseekV2Model writes (after the common ones)."""
     R, Dr = m["kv_lora_rank"], m["rope_dim"]
-    w.add_head_count_kv(1)                           # MLA is MQA over the latent
     w.add_leading_dense_block_count(m["n_dense"])
     w.add_q_lora_rank(m["q_lora_rank"])               # llama.cpp asks for it unless 26/27 layers
     w.add_kv_lora_rank(R)
-    w.add_key_length(R + Dr)
-    w.add_value_length(R)
-    w.add_key_length_mla(m["nope_dim"] + Dr)
-    w.add_value_length_mla(m["v_dim"])
+    if m["kv_b"]:                                    # older converters: the expanded heads
+        w.add_head_count_kv(n_head)
+        w.add_key_length(m["nope_dim"] + Dr)
+        w.add_value_length(m["v_dim"])
+    else:
+        w.add_head_count_kv(1)                       # MLA is MQA over the latent
+        w.add_key_length(R + Dr)
+        w.add_value_length(R)
+        w.add_key_length_mla(m["nope_dim"] + Dr)
+        w.add_value_length_mla(m["v_dim"])
     w.add_expert_feed_forward_length(n_ff_exp)
     w.add_expert_shared_count(m["n_shared"])
     w.add_expert_weights_scale(float(m["routed_scale"]))
@@ -513,6 +521,9 @@ def main(argv=None):
     ap.add_argument("--merged-up-gate", action="store_true",
                     help="write each layer's gate and up experts as one ffn_gate_up_exps tensor, "
                          "as newer converters do (the same values)")
+    ap.add_argument("--mla-kv-b", action="store_true",
+                    help="deepseek2: write the older MLA layout, one attn_kv_b a layer (as files "
+                         "converted before llama.cpp split it into attn_k_b / attn_v_b)")
     ap.add_argument("-o", "--output", default=None,
                     help="output file (default: PRESET-LLAYERS.gguf)")
     args = ap.parse_args(argv)
@@ -536,6 +547,10 @@ def main(argv=None):
                           else float(value) if isinstance(shape.get(key), float) else int(value))
         except ValueError:
             ap.error(f"--set {key}: '{value}' is not a number")
+    if args.mla_kv_b:
+        if arch != "deepseek2":
+            ap.error(f"--mla-kv-b: preset {args.preset} ({arch}) has no MLA")
+        shape["mla"] = dict(shape["mla"], kv_b=True)
     types, default_type = [], "Q8_0"
     for t in args.type:
         if "=" not in t:

@@ -5,10 +5,11 @@ config.json and llama.cpp's GGUF keys."""
 # the models' config.json: kv_lora_rank, q_lora_rank (0: V2-Lite's plain attn_q), the roped /
 # unroped dims of a q / k head, a v head's dims, leading dense layers, shared experts, gating
 # (softmax; sigmoid with the exp_probs_b selection bias), expert groups, routed scale,
-# norm_topk, and YaRN's mscale_all_dim (written x 0.1 as yarn_log_multiplier).
+# norm_topk, and YaRN's mscale_all_dim (written x 0.1 as yarn_log_multiplier); kv_b: the older
+# layout, one attn_kv_b a layer in place of attn_k_b / attn_v_b (nbmoe/loader/mla.py).
 MLA_DEFAULTS = dict(kv_lora_rank=512, q_lora_rank=0, rope_dim=64, nope_dim=128, v_dim=128,
                     n_dense=1, n_shared=1, gating="softmax", n_group=0, topk_group=0,
-                    routed_scale=1.0, norm_topk=False, mscale_all_dim=None)
+                    routed_scale=1.0, norm_topk=False, mscale_all_dim=None, kv_b=False)
 _V2_LITE = dict(MLA_DEFAULTS, n_shared=2, mscale_all_dim=0.707)
 _V3 = dict(MLA_DEFAULTS, q_lora_rank=1536, n_dense=3, gating="sigmoid", n_group=8, topk_group=4,
            routed_scale=2.5, norm_topk=True, mscale_all_dim=1.0)

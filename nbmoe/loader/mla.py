@@ -1,63 +1,97 @@
-"""MLA's expansion matrix blk.N.attn_kv_b, made at load from the layer's attn_k_b and attn_v_b.
+"""MLA's matrices that a file lacks, made at load from those it has (deepseek2).
 
-Prompt batches take MLA's expanded form (cpu/mla.py, model/forward.py): every cached latent
-becomes its per-head key part and value by one product with
-    attn_kv_b [H * (Dn + Dv), R]: head h's rows are k_b[h] transposed (Dn rows), then v_b[h] (Dv)
-(the layout of the single attn_kv_b that older converters wrote). k_b [H, R, Dn] maps a query
-part onto the latent (the absorbed form); its transpose maps a latent onto a key part.
-The matrix is F32 where both parts are, else Q8_0 (a product the int8 kernels run), and lives
-where the layer's cache does (with attn_kv_a_mqa): attention expands there. It is made on the
-first read of its data.
+Two layouts of a layer's key / value up-projection:
+  split (llama.cpp's current files)  attn_k_b [H, R, Dn], attn_v_b [H, Dv, R]; key_length =
+                                     R + Dr, one kv head, key_length_mla = Dn + Dr
+  kv_b (older files)                 attn_kv_b [H (Dn + Dv), R]: head h's Dn key rows, then
+                                     its Dv value rows; key_length = Dn + Dr, H kv heads
+The engine reads both parts: decoding absorbs k_b into the query and v_b after attention;
+prompt batches take MLA's expanded form (cpu/mla.py), one product of the cached latents with
+attn_kv_b, whose key rows are k_b[h] transposed. So a split file gets attn_kv_b made from its
+parts (add_expansion_weights), and an older file gets its k_b and v_b made from attn_kv_b and
+its metadata read as a split file's (upgrade_kv_b_layout).
+A made matrix is F32 where its source is, else Q8_0 (the int8 kernels' type; a quantized k_b
+is quantized a second time, transposed), computed on the first read of its data.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from nbmoe.loader.gguf_file import TensorShape
 
-KV_B = "attn_kv_b"
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 
 
-class ExpansionTensor(TensorShape):
-    """blk.N.attn_kv_b from the layer's k_b and v_b (TensorInfo's fields)."""
+class MadeTensor(TensorShape):
+    """A matrix made from file tensors (TensorInfo's fields): `make()` returns its float32
+    values [..., ne[0]], stored in F32 if every source is F32, else Q8_0."""
 
-    def __init__(self, name, k_b, v_b):
-        Dn, R, H = k_b.ne
-        Dv = v_b.ne[1]
-        self.name, self.k_b, self.v_b = name, k_b, v_b
-        f32 = GGMLQuantizationType.F32
-        self.ggml_type = f32 if (k_b.ggml_type, v_b.ggml_type) == (f32, f32) else GGMLQuantizationType.Q8_0
-        self.ne = (R, H * (Dn + Dv))
+    def __init__(self, name, ne, sources, make):
+        self.name, self.ne, self.make = name, tuple(ne), make
+        self.ggml_type = F32 if all(s.ggml_type == F32 for s in sources) else Q8_0
         self.offset = None              # not in the file
-        row_bytes = 4 * R if self.ggml_type == f32 else R // Q8_0_BLOCK * Q8_0_BYTES
-        self.n_bytes = self.ne[1] * row_bytes
+        row_bytes = 4 * ne[0] if self.ggml_type == F32 else ne[0] // Q8_0_BLOCK * Q8_0_BYTES
+        self.n_bytes = int(np.prod(ne[1:])) * row_bytes
         self._data = None
 
     @property
     def data(self):
         if self._data is None:
             from nbmoe.cpu.kv_rows import store_rows
-            from nbmoe.cpu.matmul import dequantize
-            k_b = dequantize(self.k_b.data, int(self.k_b.ggml_type))      # [H, R, Dn]
-            v_b = dequantize(self.v_b.data, int(self.v_b.ggml_type))      # [H, Dv, R]
-            w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)     # [H, Dn + Dv, R]
-            w = np.ascontiguousarray(w.reshape(-1, w.shape[2]), np.float32)
-            if self.ggml_type == GGMLQuantizationType.F32:
-                self._data = w.view(np.uint8)
+            w = np.ascontiguousarray(self.make(), np.float32)
+            rows = w.reshape(-1, self.ne[0])
+            if self.ggml_type == F32:
+                data = rows.view(np.uint8)
             else:
-                self._data = np.empty((w.shape[0], self.n_bytes // w.shape[0]), np.uint8)
-                store_rows(self._data, w)
+                data = np.empty((rows.shape[0], self.n_bytes // rows.shape[0]), np.uint8)
+                store_rows(data, rows)
+            self._data = data.reshape(tuple(reversed(self.ne[1:])) + (data.shape[1],))
             self._data.flags.writeable = False
         return self._data
 
 
+def _values(t):
+    from nbmoe.cpu.matmul import dequantize
+    return dequantize(t.data, int(t.ggml_type))
+
+
 def add_expansion_weights(cfg, weights, placement):
-    """Add each MLA layer's attn_kv_b to weights and placement (both changed in place), placed
-    with its attn_kv_a_mqa. A file that ships attn_kv_b is refused earlier (model/arch.py)."""
+    """Give each MLA layer an attn_kv_b in weights and placement (both changed in place), made
+    from k_b and v_b unless the file has it, placed with attn_kv_a_mqa: where the layer's cache
+    lives and its attention runs."""
     if not cfg.is_mla or cfg.kv_lora_rank % Q8_0_BLOCK:
         return
     for il in range(cfg.n_layer):
-        k_b, v_b = (f"blk.{il}.attn_{x}_b.weight" for x in "kv")
-        name = f"blk.{il}.{KV_B}.weight"
-        weights[name] = ExpansionTensor(name, weights[k_b], weights[v_b])
+        name = f"blk.{il}.attn_kv_b.weight"
+        if name not in weights:
+            k_b, v_b = (weights[f"blk.{il}.attn_{x}_b.weight"] for x in "kv")
+            Dn, R, H = k_b.ne
+            make = (lambda k_b=k_b, v_b=v_b: np.concatenate(                     # [H, Dn + Dv, R]
+                [_values(k_b).transpose(0, 2, 1), _values(v_b)], axis=1))
+            weights[name] = MadeTensor(name, (R, H * (Dn + v_b.ne[1])), (k_b, v_b), make)
         placement[name] = placement[f"blk.{il}.attn_kv_a_mqa.weight"]
+
+
+def upgrade_kv_b_layout(meta, tensors):
+    """An older deepseek2 file (one attn_kv_b a layer): add its layers' attn_k_b and attn_v_b
+    to tensors and rewrite meta's attention lengths as a split file has them (both changed
+    in place). Other files are left as they are."""
+    a = meta.get("general.architecture", "") + "."
+    kv_bs = [n for n in tensors if n.endswith(".attn_kv_b.weight")]
+    if a != "deepseek2." or not kv_bs or any(n.endswith(".attn_k_b.weight") for n in tensors):
+        return
+    R = int(meta[a + "attention.kv_lora_rank"])
+    Dr = int(meta.get(a + "rope.dimension_count", 0))
+    H = int(meta[a + "attention.head_count"])
+    Dk, Dv = int(meta[a + "attention.key_length"]), int(meta[a + "attention.value_length"])
+    Dn = Dk - Dr
+    for name in kv_bs:
+        kv_b, p = tensors[name], name[:-len("attn_kv_b.weight")]
+        heads = (lambda kv_b=kv_b: _values(kv_b).reshape(H, Dn + Dv, R))
+        tensors[p + "attn_k_b.weight"] = MadeTensor(p + "attn_k_b.weight", (Dn, R, H), (kv_b,),
+                                                    lambda h=heads: h()[:, :Dn].transpose(0, 2, 1))
+        tensors[p + "attn_v_b.weight"] = MadeTensor(p + "attn_v_b.weight", (R, Dv, H), (kv_b,),
+                                                    lambda h=heads: h()[:, Dn:])
+    meta.update({a + "attention.key_length_mla": Dk, a + "attention.value_length_mla": Dv,
+                 a + "attention.key_length": R + Dr, a + "attention.value_length": R,
+                 a + "attention.head_count_kv": 1})

@@ -303,11 +303,11 @@ def _per_layer_same(meta, key, default):
 def _mla_fields(meta, a, n_head, head_dim, tensor_names):
     """The MLA fields of a deepseek2 file, in the layout llama.cpp writes now: split attn_k_b /
     attn_v_b, key_length = kv_lora_rank + rope dims (one kv head), key_length_mla = the expanded
-    query / key head."""
+    query / key head (loader/mla.py reads older files as such first)."""
     old = next((n for n in tensor_names if n.endswith(".attn_kv_b.weight")), None)
-    if old is not None:
-        raise NbmoeError(f"unsupported MLA layout: {old} (the older single attn_kv_b); convert the "
-                         "model again with a current llama.cpp, which writes attn_k_b / attn_v_b")
+    if old is not None and not any(n.endswith(".attn_k_b.weight") for n in tensor_names):
+        raise NbmoeError(f"unsupported MLA layout: {old} beside split-layout metadata ({a}attention."
+                         "key_length_mla); a file has attn_kv_b or attn_k_b / attn_v_b")
     rank = int(_get(meta, a + "attention.kv_lora_rank"))
     k_mla = int(_get(meta, a + "attention.key_length_mla"))
     v_mla = int(_get(meta, a + "attention.value_length_mla"))
