@@ -150,6 +150,31 @@ def test_mla_latents_and_expand():
     assert np.array_equal(values.copy_to_host().view(np.float16), heads[:, :, Dn:].astype(np.float16))
 
 
+@pytest.mark.parametrize("pos0", [40, 2])
+def test_mla_decode(pos0):
+    """cuda/mla_decode.py: one token, 16 heads over MLA's one f16 kv head whose rows are keys
+    and values both, keys split over the grid (4 splits of a 64-slot cache; pos0 2: fewer keys
+    than splits) and merged; out and its 8-bit copy."""
+    from nbmoe.cuda import mla_decode, x8
+    H, Dh, C = 16, 64, 64                               # (8-bit out: Dh % 32 == 0)
+    rng = np.random.default_rng(pos0)
+    rows = rng.standard_normal((C, 1, Dh)).astype(np.float16)
+    rows[pos0 + 1:] = np.float16(np.nan)                 # past the token: never weighed in
+    cache = dev(rows.view(np.uint16))
+    q = naive.rnd(1, H, Dh, seed=pos0, scale=2.0)
+    assert mla_decode.used(q, cache, cache) and not mla_decode.used(q, cache, dev(rows.view(np.uint16)))
+    k = rows[:pos0 + 1].astype(np.float64)
+    ref = naive.attention(q, k, k, pos0, 0.3)
+    out = poisoned(q.shape)
+    xq, xds = x8.x8_buffers(1, H * Dh)
+    att.attention(out, dev(q), cache, cache, dev(np.array([pos0], np.int32)), 0.3, xq=xq, xds=xds)
+    got = out.copy_to_host()
+    check(f"mla decode pos0={pos0}", got, ref, RTOL_F16)
+    codes = xq.copy_to_host()[:H * Dh // 4].view(np.int8).reshape(-1, 32).astype(np.float64)
+    d = xds.copy_to_host()[:H * Dh // 16].reshape(-1, 2)[:, :1]
+    assert np.all(np.abs(codes * d - got.reshape(-1, 32)) <= d * 0.5 + 1e-7)
+
+
 @pytest.mark.parametrize("pos0,window,sink", [
     (40, 0, False),     # 41 keys over 3 splits of a 64-slot cache (P = 4), uneven shares
     (40, 9, True),      # a window: one split, written through the merge; sinks added there

@@ -457,6 +457,10 @@ def attention(out, q, k_cache, v_cache, pos, scale, window=0, stream=0, xq=None,
     if fa and flash_used(T, Dh, types, out.shape[2]):
         flash.attention(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, sinks)
         return
+    from . import mla_decode
+    if mla_decode.used(q, k_cache, v_cache, window):       # MLA's one token: heads share the rows
+        mla_decode.attention(out, q, k_cache, positions(pos, T), scale, stream, xq, xds, sinks)
+        return
     if fa and flash_decodes(q, k_cache, v_cache):
         _flash_decode(out, q, k_cache, v_cache, positions(pos, T), scale, window, stream, xq, xds, sinks)
         return
