@@ -47,7 +47,7 @@ def _kernel(Dh):
     QS = Dh + 1
     KS = Dh + 2
     NO = Dh // 16                      # output dims a thread holds
-    HALF = Dh // 2
+    HALF = Dh // 2                     # (a multiple of 4: Dh % 16 == 0)
 
     @cuda.jit
     def mla_decode_kernel(part_acc, part_ml, q, cache, pos, scale, min_keys):
@@ -88,9 +88,13 @@ def _kernel(Dh):
                 d = i - k * Dh
                 Ks[k, d] = cache[min(j0 + k, b - 1), 0, d]
             cuda.syncthreads()
-            s = f32(0.0)
-            for d in range(half * HALF, half * HALF + HALF):
-                s += Qs[sh, d] * f32(Ks[sk, d])
+            s0 = s1 = s2 = s3 = f32(0.0)                  # four chains: loads overlap
+            for d in range(half * HALF, half * HALF + HALF, 4):
+                s0 += Qs[sh, d] * f32(Ks[sk, d])
+                s1 += Qs[sh, d + 1] * f32(Ks[sk, d + 1])
+                s2 += Qs[sh, d + 2] * f32(Ks[sk, d + 2])
+                s3 += Qs[sh, d + 3] * f32(Ks[sk, d + 3])
+            s = (s0 + s1) + (s2 + s3)
             s += shfl_xor(s, 1)
             if half == 0:
                 Ss[sh, sk] = s if j0 + sk < b else NEG_INF
@@ -112,11 +116,11 @@ def _kernel(Dh):
             cuda.syncthreads()
             c = corr[ph]
             for i in range(NO):
-                d = pd + 16 * i
-                v = acc[i] * c
-                for k in range(KC):
-                    v += Ss[ph, k] * f32(Ks[k, d])
-                acc[i] = v
+                acc[i] *= c
+            for k in range(KC):                           # NO independent sums a key
+                pk = Ss[ph, k]
+                for i in range(NO):
+                    acc[i] += pk * f32(Ks[k, pd + 16 * i])
         for i in range(NO):
             part_acc[p, 0, h0 + ph, pd + 16 * i] = acc[i]
         cuda.syncthreads()
