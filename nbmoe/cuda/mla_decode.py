@@ -34,11 +34,11 @@ _kernels = {}
 
 def used(q, k_cache, v_cache, window=0):
     """Whether attention() of q [T, H, Dh] takes this kernel: one token, one f16 kv head whose
-    rows are keys and values both (MLA), no window, H a multiple of HB, Dh a multiple of 16
-    up to MAX_DH."""
+    rows are keys and values both (MLA), no window, H a multiple of HB, Dh a multiple of 32
+    (a chunk's values share out evenly over the threads) up to MAX_DH."""
     T, H, Dh = q.shape
     return (T == 1 and window == 0 and k_cache is v_cache and k_cache.shape[1] == 1
-            and kv_type_of(k_cache) == "f16" and H % HB == 0 and Dh % 16 == 0 and Dh <= MAX_DH)
+            and kv_type_of(k_cache) == "f16" and H % HB == 0 and Dh % 32 == 0 and Dh <= MAX_DH)
 
 
 def _kernel(Dh):
@@ -48,6 +48,7 @@ def _kernel(Dh):
     KS = Dh + 2
     NO = Dh // 16                      # output dims a thread holds
     HALF = Dh // 2                     # (a multiple of 4: Dh % 16 == 0)
+    NL = KC * Dh // NTH                # key values a thread stages a chunk
 
     @cuda.jit
     def mla_decode_kernel(part_acc, part_ml, q, cache, pos, scale, min_keys):
@@ -73,6 +74,7 @@ def _kernel(Dh):
             ml[tid, 0] = NEG_INF
             ml[tid, 1] = f32(0.0)
         acc = cuda.local.array(NO, f32)
+        staged = cuda.local.array(NL, np.float16)
         for i in range(NO):
             acc[i] = f32(0.0)
         ph = tid // 16                                    # PV: this thread's head and dims
@@ -83,10 +85,14 @@ def _kernel(Dh):
         half = tid & 1
         for j0 in range(a, b, KC):
             cuda.syncthreads()                            # Ks, Ss: the last chunk is read
-            for i in range(tid, KC * Dh, NTH):          # (past b: row b - 1 again, P = 0)
+            for r in range(NL):                           # every load in flight, then the stores
+                i = tid + NTH * r                         # (past b: row b - 1 again, P = 0)
                 k = i // Dh
-                d = i - k * Dh
-                Ks[k, d] = cache[min(j0 + k, b - 1), 0, d]
+                staged[r] = cache[min(j0 + k, b - 1), 0, i - k * Dh]
+            for r in range(NL):
+                i = tid + NTH * r
+                k = i // Dh
+                Ks[k, i - k * Dh] = staged[r]
             cuda.syncthreads()
             s0 = s1 = s2 = s3 = f32(0.0)                  # four chains: loads overlap
             for d in range(half * HALF, half * HALF + HALF, 4):
