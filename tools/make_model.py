@@ -158,14 +158,14 @@ def _deepseek2_plan(n_layer, D, H, n_ff, E, F, n_vocab, tie_embeddings, m):
         else:
             plan.append((b + "attn_q.weight", (H * (Dn + Dr), D), "matrix"))    # [H*(Dn+Dr), D]
         plan += [(b + "attn_kv_a_norm.weight", (R,), "norm"),
-                 (b + "attn_kv_a_mqa.weight", (R + Dr, D), "matrix"),           # [R+Dr, D]
-                 (b + "attn_output.weight", (D, H * Dv), "matrix"),             # [D, H*Dv]
-                 (b + "ffn_norm.weight", (D,), "norm")]
+                 (b + "attn_kv_a_mqa.weight", (R + Dr, D), "matrix")]           # [R+Dr, D]
         if m["kv_b"]:                                                           # the older layout
             plan.append((b + "attn_kv_b.weight", (H * (Dn + Dv), R), "matrix"))  # [H*(Dn+Dv), R]
         else:
             plan += [(b + "attn_k_b.weight", (H, R, Dn), "matrix"),             # [H, R, Dn]
                      (b + "attn_v_b.weight", (H, Dv, R), "matrix")]             # [H, Dv, R]
+        plan += [(b + "attn_output.weight", (D, H * Dv), "matrix"),             # [D, H*Dv]
+                 (b + "ffn_norm.weight", (D,), "norm")]
         if i < m["n_dense"]:
             plan += [(b + "ffn_gate.weight", (n_ff, D), "matrix"), (b + "ffn_up.weight", (n_ff, D), "matrix"),
                      (b + "ffn_down.weight", (D, n_ff), "matrix")]
