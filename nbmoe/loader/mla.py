@@ -10,8 +10,8 @@ prompt batches take MLA's expanded form (cpu/mla.py), one product of the cached 
 attn_kv_b, whose key rows are k_b[h] transposed. So a split file gets attn_kv_b made from its
 parts (add_expansion_weights), and an older file gets its k_b and v_b made from attn_kv_b and
 its metadata read as a split file's (upgrade_kv_b_layout).
-A made matrix is F32 where its source is, else Q8_0 (the int8 kernels' type; a quantized k_b
-is quantized a second time, transposed), computed on the first read of its data.
+A made matrix is Q8_0 where a source is quantized (the int8 kernels' type; a quantized k_b is
+quantized a second time, transposed), else F32; computed on the first read of its data.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -24,11 +24,13 @@ F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 
 class MadeTensor(TensorShape):
     """A matrix made from file tensors (TensorInfo's fields): `make()` returns its float32
-    values [..., ne[0]], stored in F32 if every source is F32, else Q8_0."""
+    values [..., ne[0]], stored in Q8_0 if a source is quantized and its rows are whole Q8_0
+    blocks, else F32."""
 
     def __init__(self, name, ne, sources, make):
         self.name, self.ne, self.make = name, tuple(ne), make
-        self.ggml_type = F32 if all(s.ggml_type == F32 for s in sources) else Q8_0
+        whole_blocks = ne[0] % Q8_0_BLOCK == 0
+        self.ggml_type = Q8_0 if whole_blocks and any(s.ggml_type != F32 for s in sources) else F32
         self.offset = None              # not in the file
         row_bytes = 4 * ne[0] if self.ggml_type == F32 else ne[0] // Q8_0_BLOCK * Q8_0_BYTES
         self.n_bytes = int(np.prod(ne[1:])) * row_bytes
@@ -59,7 +61,7 @@ def add_expansion_weights(cfg, weights, placement):
     """Give each MLA layer an attn_kv_b in weights and placement (both changed in place), made
     from k_b and v_b unless the file has it, placed with attn_kv_a_mqa: where the layer's cache
     lives and its attention runs."""
-    if not cfg.is_mla or cfg.kv_lora_rank % Q8_0_BLOCK:
+    if not cfg.is_mla:
         return
     for il in range(cfg.n_layer):
         name = f"blk.{il}.attn_kv_b.weight"
