@@ -150,13 +150,17 @@ def test_mla_latents_and_expand():
     assert np.array_equal(values.copy_to_host().view(np.float16), heads[:, :, Dn:].astype(np.float16))
 
 
-@pytest.mark.parametrize("pos0", [40, 2])
-def test_mla_decode(pos0):
-    """cuda/mla_decode.py: one token, 16 heads over MLA's one f16 kv head whose rows are keys
-    and values both, keys split over the grid (4 splits of a 64-slot cache; pos0 2: fewer keys
-    than splits) and merged; out and its 8-bit copy."""
+@pytest.mark.parametrize("pos0,H,Dh,splits", [
+    (40, 16, 64, 128),   # 4 splits of a 64-slot cache, a step each
+    (2, 16, 64, 128),    # fewer keys than splits
+    (40, 16, 128, 2),    # two dim pairs a warp, two steps a split
+])
+def test_mla_decode(pos0, H, Dh, splits, monkeypatch):
+    """cuda/mla_decode.py: one token's heads over MLA's one f16 kv head whose rows are keys
+    and values both, keys split over the grid and merged; out and its 8-bit copy."""
     from nbmoe.cuda import mla_decode, x8
-    H, Dh, C = 16, 64, 64                               # (8-bit out: Dh % 32 == 0)
+    monkeypatch.setattr(mla_decode, "MAX_SPLITS", splits)
+    C = 64
     rng = np.random.default_rng(pos0)
     rows = rng.standard_normal((C, 1, Dh)).astype(np.float16)
     rows[pos0 + 1:] = np.float16(np.nan)                 # past the token: never weighed in

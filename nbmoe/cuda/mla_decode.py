@@ -1,138 +1,209 @@
 """One token's attention over MLA's latent cache (the absorbed form: model/forward.py's
-mla_attention), all query heads of a block sharing each staged key.
+mla_attention) on f16 tensor cores (mma.sync m16n8k16, mma.py), 16 query heads a block.
 
 MLA has one kv head: a cached row [latent R, k_pe Dr] (Dh = R + Dr = 576 for DeepSeek) is the
-key of every query head and, whole, its value. The warp kernel (attention.py) has a warp per
-head read every row on its own; here a block takes HB heads and one split of the keys:
-    per chunk of KC keys (their f16 rows staged in shared memory once):
-      S[h, k] = q[h] . K[k]                  two threads a (head, key), half of Dh each
-      online softmax per head (one thread a head): m, l, P[h, k], the rescale factor
-      O[h, d] = corr[h] O[h, d] + sum_k P[h, k] K[k, d]     16 threads a head, Dh / 16 dims each
-and writes its unnormalised O and (m, l) for attention.merge_splits_kernel, as flash.decode's
-splits do (always merged). Grid (P splits, H / HB); a split takes an equal share of the keys.
-Shared memory: q (f32, scaled) HB x (Dh + 1) and KC key rows (f16) of Dh + 2: padded so that
-the score threads' loads fall in different banks.
+key of every query head and, whole, its value. So the 16 heads of a block are the 16 rows of
+one m16 tile, and attention is two small matrix products a step of BK keys:
+    S [16, BK] = Q [16, Dh] @ K^T        (k = dims: each warp takes a quarter of Dh, the four
+                                          partial S meet in shared memory)
+    P = exp(S - m), online softmax       (every warp the same rows, the same sums)
+    O [16, Dh] += P [16, BK] @ K         (n = dims: each warp owns a quarter of O)
+Grid (P splits, H / 16); a split takes an equal share of the keys and writes its unnormalised
+O and (m, l) for attention.merge_splits_kernel, as flash.decode's splits do (always merged).
+
+    shared memory, 32-bit words of 2 f16 (the lower dim in the low half):
+      Ks   [BK, SK]        key row jj: its Dh / 2 words       SK = Dh / 2 + 4
+      Sred [4, 8, 32]      warp w's partial S, register e of lane l at [w, e, l]
+    SK is 4 mod 32: a warp's fragment loads (S: 8 keys x 4 words; P K: 4 keys x 8 words)
+    hit 32 different banks.
+
+    lane (g, t) of warp w:
+      Q fragments qa[4 i + r]: k-step w DKW + i of rows g, g + 8 (heads h0 + g, h0 + g + 8)
+      S n-tile j (keys 8 j ..): s[4 j + e], e = (row g | g + 8) x (key 2t | 2t + 1)
+      O: dims in pairs of n-tiles, 16 dims a pair; in pair J the even tile's column n is dim
+         16 J + 2 n and the odd tile's 16 J + 2 n + 1, so one word of a key row (dims
+         16 J + 2 g, + 1) feeds both tiles' B fragments (keys 2t, 2t + 1 of column g):
+           o[8 jj + 4 e + c]: pair J = w NPW + jj, tile e, c = (row g | g + 8) x (n 2t | 2t + 1)
+The next step's rows are loaded into registers before this step's P K, so their latency
+hides behind the products.
 """
 import numpy as np
 from numba import cuda
 
-from . import expf, shfl_xor
-from .attention import (MAX_SPLITS, MIN_SPLIT_KEYS, SPLIT_KEYS, _buffer, _sinks, active_splits,
-                        merge_splits)
+from . import ld_u32, shfl_xor, expf
+from .attention import MAX_SPLITS, MIN_SPLIT_KEYS, SPLIT_KEYS, _buffer, _sinks, active_splits, merge_splits
 from .kv_rows import kv_type_of, write_view
+from .mma import mma_f16_16x8x16, pack_f16x2
 from .x8 import unused_x8
 
 f32 = np.float32
+u32 = np.uint32
 NEG_INF = f32(-np.inf)
-NTH = 256           # threads a block
-HB = 16             # query heads a block (DeepSeek's 16, or 128 in 8 blocks)
-KC = 8              # keys a chunk (HB * KC * 2 = NTH score threads)
-MAX_DH = 600        # shared memory: 4 HB (Dh + 1) + 2 KC (Dh + 2) bytes within 48 KiB
+WARPS = 4           # a quarter of Dh each (S's k, O's n)
+NTH = 32 * WARPS
+HB = 16             # query heads a block: one m16 tile
+BK = 16             # keys a step
+MAX_DH = 576        # registers: Q Dh / 16, O Dh / 8 floats a lane
 
 _kernels = {}
 
 
 def used(q, k_cache, v_cache, window=0):
     """Whether attention() of q [T, H, Dh] takes this kernel: one token, one f16 kv head whose
-    rows are keys and values both (MLA), no window, H a multiple of HB, Dh a multiple of 32
-    (a chunk's values share out evenly over the threads) up to MAX_DH."""
+    rows are keys and values both (MLA), no window, H a multiple of HB, Dh a multiple of 64
+    (whole k-steps and pairs of n-tiles a warp) up to MAX_DH."""
     T, H, Dh = q.shape
     return (T == 1 and window == 0 and k_cache is v_cache and k_cache.shape[1] == 1
-            and kv_type_of(k_cache) == "f16" and H % HB == 0 and Dh % 32 == 0 and Dh <= MAX_DH)
+            and kv_type_of(k_cache) == "f16" and H % HB == 0 and Dh % 64 == 0 and Dh <= MAX_DH)
 
 
 def _kernel(Dh):
     if Dh in _kernels:
         return _kernels[Dh]
-    QS = Dh + 1
-    KS = Dh + 2
-    NO = Dh // 16                      # output dims a thread holds
-    HALF = Dh // 2                     # (a multiple of 4: Dh % 16 == 0)
-    NL = KC * Dh // NTH                # key values a thread stages a chunk
+    DW = Dh // 2                   # words of a row
+    SK = DW + 4
+    DKW = Dh // 16 // WARPS        # S: k-steps a warp
+    NPW = Dh // 16 // WARPS        # O: pairs of n-tiles a warp
+    NS = BK // 2                   # S registers a lane (BK / 8 n-tiles)
+    NO = 8 * NPW
+    NW = BK * DW // NTH            # row words a thread stages a step
+    KS = BK * SK
 
     @cuda.jit
     def mla_decode_kernel(part_acc, part_ml, q, cache, pos, scale, min_keys):
         tid = cuda.threadIdx.x
+        lane = tid & 31
+        w = tid >> 5
+        g = lane >> 2
+        t4 = lane & 3
         p = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * HB
-        Qs = cuda.shared.array((HB, QS), f32)
-        Ks = cuda.shared.array((KC, KS), np.float16)
-        Ss = cuda.shared.array((HB, KC), f32)
-        corr = cuda.shared.array(HB, f32)
-        ml = cuda.shared.array((HB, 2), f32)
+        Ks = cuda.shared.array(KS, u32)
+        Sred = cuda.shared.array((WARPS, NS, 32), f32)
         hi = pos[0] + 1                                   # keys 0 .. pos0
         Pa = active_splits(hi, cuda.gridDim.x, min_keys)
         if p >= Pa:
             return
-        span = (hi + Pa - 1) // Pa
-        a = p * span
-        b = min(hi, a + span)
-        for i in range(tid, HB * Dh, NTH):               # q, scaled
-            h = i // Dh
-            Qs[h, i - h * Dh] = q[0, h0 + h, i - h * Dh] * scale
-        if tid < HB:
-            ml[tid, 0] = NEG_INF
-            ml[tid, 1] = f32(0.0)
-        acc = cuda.local.array(NO, f32)
-        staged = cuda.local.array(NL, np.float16)
+        a = (p * hi) // Pa
+        b = ((p + 1) * hi) // Pa
+
+        qa = cuda.local.array(4 * DKW, u32)               # Q fragments, scaled, f16
+        for i in range(DKW):
+            d = 16 * (w * DKW + i) + 2 * t4
+            for r in range(4):
+                h = h0 + g + 8 * (r & 1)
+                dd = d + 8 * (r >> 1)
+                qa[4 * i + r] = pack_f16x2(q[0, h, dd] * scale, q[0, h, dd + 1] * scale)
+        o = cuda.local.array(NO, f32)
         for i in range(NO):
-            acc[i] = f32(0.0)
-        ph = tid // 16                                    # PV: this thread's head and dims
-        pd = tid - ph * 16
-        sp = tid >> 1                                     # scores: this thread's (head, key)
-        sh = sp // KC
-        sk = sp - sh * KC
-        half = tid & 1
-        for j0 in range(a, b, KC):
-            cuda.syncthreads()                            # Ks, Ss: the last chunk is read
-            for r in range(NL):                           # every load in flight, then the stores
-                i = tid + NTH * r                         # (past b: row b - 1 again, P = 0)
-                k = i // Dh
-                staged[r] = cache[min(j0 + k, b - 1), 0, i - k * Dh]
-            for r in range(NL):
+            o[i] = f32(0.0)
+        s = cuda.local.array(NS, f32)
+        st = cuda.local.array(NW, u32)
+        m_a = NEG_INF
+        m_b = NEG_INF
+        l_a = f32(0.0)
+        l_b = f32(0.0)
+        for r in range(NW):                               # the first step's rows
+            i = tid + NTH * r
+            key = i // DW
+            st[r] = ld_u32(cache, (a + key) * 2 * Dh, 4 * (i - key * DW)) if a + key < b else u32(0)
+
+        for j0 in range(a, b, BK):
+            cuda.syncthreads()                            # Ks, Sred: the last step is read
+            for r in range(NW):
                 i = tid + NTH * r
-                k = i // Dh
-                Ks[k, i - k * Dh] = staged[r]
+                key = i // DW
+                Ks[key * SK + i - key * DW] = st[r]
             cuda.syncthreads()
-            s0 = s1 = s2 = s3 = f32(0.0)                  # four chains: loads overlap
-            for d in range(half * HALF, half * HALF + HALF, 4):
-                s0 += Qs[sh, d] * f32(Ks[sk, d])
-                s1 += Qs[sh, d + 1] * f32(Ks[sk, d + 1])
-                s2 += Qs[sh, d + 2] * f32(Ks[sk, d + 2])
-                s3 += Qs[sh, d + 3] * f32(Ks[sk, d + 3])
-            s = (s0 + s1) + (s2 + s3)
-            s += shfl_xor(s, 1)
-            if half == 0:
-                Ss[sh, sk] = s if j0 + sk < b else NEG_INF
+            # 1. this warp's quarter of the dims: partial S of the BK keys
+            for j in range(BK // 8):
+                c0 = c1 = c2 = c3 = f32(0.0)
+                for i in range(DKW):
+                    off = (8 * j + g) * SK + 8 * (w * DKW + i) + t4
+                    c0, c1, c2, c3 = mma_f16_16x8x16(qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3],
+                                                     Ks[off], Ks[off + 4], c0, c1, c2, c3)
+                Sred[w, 4 * j, lane] = c0
+                Sred[w, 4 * j + 1, lane] = c1
+                Sred[w, 4 * j + 2, lane] = c2
+                Sred[w, 4 * j + 3, lane] = c3
             cuda.syncthreads()
-            if tid < HB:                                  # online softmax, head tid
-                m_old = ml[tid, 0]
-                m_new = m_old
-                for k in range(KC):
-                    m_new = max(m_new, Ss[tid, k])
-                c = expf(m_old - m_new)                   # 0 on the first chunk (m_old = -inf)
-                tot = ml[tid, 1] * c
-                for k in range(KC):
-                    e = expf(Ss[tid, k] - m_new) if Ss[tid, k] > NEG_INF else f32(0.0)
-                    Ss[tid, k] = e
-                    tot += e
-                ml[tid, 0] = m_new
-                ml[tid, 1] = tot
-                corr[tid] = c
-            cuda.syncthreads()
-            c = corr[ph]
-            for i in range(NO):
-                acc[i] *= c
-            for k in range(KC):                           # NO independent sums a key
-                pk = Ss[ph, k]
-                for i in range(NO):
-                    acc[i] += pk * f32(Ks[k, pd + 16 * i])
-        for i in range(NO):
-            part_acc[p, 0, h0 + ph, pd + 16 * i] = acc[i]
-        cuda.syncthreads()
-        if tid < HB:
-            part_ml[p, 0, h0 + tid, 0] = ml[tid, 0]
-            part_ml[p, 0, h0 + tid, 1] = ml[tid, 1]
+            n0 = j0 + BK                                  # 2. the next step's rows, in flight
+            for r in range(NW):
+                i = tid + NTH * r
+                key = i // DW
+                st[r] = ld_u32(cache, (n0 + key) * 2 * Dh, 4 * (i - key * DW)) if n0 + key < b else u32(0)
+            # 3. whole S (the four quarters), masked; online softmax of rows g, g + 8
+            for e in range(NS):
+                x = (Sred[0, e, lane] + Sred[1, e, lane]) + (Sred[2, e, lane] + Sred[3, e, lane])
+                key = j0 + 8 * (e >> 2) + 2 * t4 + (e & 1)
+                s[e] = x if key < b else NEG_INF
+            mx_a = m_a
+            mx_b = m_b
+            for j in range(BK // 8):
+                mx_a = max(mx_a, max(s[4 * j], s[4 * j + 1]))
+                mx_b = max(mx_b, max(s[4 * j + 2], s[4 * j + 3]))
+            mx_a = max(mx_a, shfl_xor(mx_a, 1))
+            mx_a = max(mx_a, shfl_xor(mx_a, 2))
+            mx_b = max(mx_b, shfl_xor(mx_b, 1))
+            mx_b = max(mx_b, shfl_xor(mx_b, 2))
+            corr_a = expf(m_a - mx_a)                     # 0 on the first step (m = -inf)
+            corr_b = expf(m_b - mx_b)
+            m_a = mx_a
+            m_b = mx_b
+            l_a *= corr_a
+            l_b *= corr_b
+            for j in range(BK // 8):
+                s[4 * j] = expf(s[4 * j] - mx_a)
+                s[4 * j + 1] = expf(s[4 * j + 1] - mx_a)
+                s[4 * j + 2] = expf(s[4 * j + 2] - mx_b)
+                s[4 * j + 3] = expf(s[4 * j + 3] - mx_b)
+                l_a += s[4 * j] + s[4 * j + 1]
+                l_b += s[4 * j + 2] + s[4 * j + 3]
+            for i in range(0, NO, 4):
+                o[i] *= corr_a
+                o[i + 1] *= corr_a
+                o[i + 2] *= corr_b
+                o[i + 3] *= corr_b
+            # 4. O += P K over this warp's dim pairs, a k-step (16 keys) at a time
+            for kc in range(BK // 16):
+                e = 8 * kc
+                p0 = pack_f16x2(s[e], s[e + 1])
+                p1 = pack_f16x2(s[e + 2], s[e + 3])
+                p2 = pack_f16x2(s[e + 4], s[e + 5])
+                p3 = pack_f16x2(s[e + 6], s[e + 7])
+                r0 = (16 * kc + 2 * t4) * SK + g          # keys 2t, 2t + 1, 2t + 8, 2t + 9
+                for jj in range(NPW):
+                    off = r0 + 8 * (w * NPW + jj)
+                    k0 = Ks[off]
+                    k1 = Ks[off + SK]
+                    k8 = Ks[off + 8 * SK]
+                    k9 = Ks[off + 9 * SK]
+                    i = 8 * jj
+                    o[i], o[i + 1], o[i + 2], o[i + 3] = mma_f16_16x8x16(
+                        p0, p1, p2, p3, (k0 & u32(0xFFFF)) | (k1 << u32(16)),
+                        (k8 & u32(0xFFFF)) | (k9 << u32(16)), o[i], o[i + 1], o[i + 2], o[i + 3])
+                    o[i + 4], o[i + 5], o[i + 6], o[i + 7] = mma_f16_16x8x16(
+                        p0, p1, p2, p3, (k0 >> u32(16)) | (k1 & u32(0xFFFF0000)),
+                        (k8 >> u32(16)) | (k9 & u32(0xFFFF0000)), o[i + 4], o[i + 5], o[i + 6], o[i + 7])
+
+        # 5. the split's O, m and l (l summed over a row's 4 lanes) for the merge
+        for jj in range(NPW):
+            d = 16 * (w * NPW + jj) + 4 * t4
+            for e in range(2):
+                i = 8 * jj + 4 * e
+                part_acc[p, 0, h0 + g, d + e] = o[i]
+                part_acc[p, 0, h0 + g, d + 2 + e] = o[i + 1]
+                part_acc[p, 0, h0 + g + 8, d + e] = o[i + 2]
+                part_acc[p, 0, h0 + g + 8, d + 2 + e] = o[i + 3]
+        l_a += shfl_xor(l_a, 1)
+        l_a += shfl_xor(l_a, 2)
+        l_b += shfl_xor(l_b, 1)
+        l_b += shfl_xor(l_b, 2)
+        if w == 0 and t4 == 0:
+            part_ml[p, 0, h0 + g, 0] = m_a
+            part_ml[p, 0, h0 + g, 1] = l_a
+            part_ml[p, 0, h0 + g + 8, 0] = m_b
+            part_ml[p, 0, h0 + g + 8, 1] = l_b
 
     _kernels[Dh] = mla_decode_kernel
     return mla_decode_kernel
