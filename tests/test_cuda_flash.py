@@ -150,16 +150,20 @@ def test_mla_latents_and_expand():
     assert np.array_equal(values.copy_to_host().view(np.float16), heads[:, :, Dn:].astype(np.float16))
 
 
-@pytest.mark.parametrize("pos0,H,Dh,splits", [
-    (40, 16, 64, 128),   # 4 splits of a 64-slot cache, a step each
-    (2, 16, 64, 128),    # fewer keys than splits
-    (40, 16, 128, 2),    # two dim pairs a warp, two steps a split
+@pytest.mark.parametrize("pos0,H,Dh,splits,warps", [
+    (2, 16, 64, 128, None),    # 4 warps; fewer keys than the 4 splits of a 64-slot cache
+    (40, 16, 128, 2, 4),       # two k-steps and dim pairs a warp, two steps a split
+    (20, 16, 192, 2, None),    # 12 warps (DeepSeek's 576 takes 12)
 ])
-def test_mla_decode(pos0, H, Dh, splits, monkeypatch):
+def test_mla_decode(pos0, H, Dh, splits, warps, monkeypatch):
     """cuda/mla_decode.py: one token's heads over MLA's one f16 kv head whose rows are keys
     and values both, keys split over the grid and merged; out and its 8-bit copy."""
     from nbmoe.cuda import mla_decode, x8
     monkeypatch.setattr(mla_decode, "MAX_SPLITS", splits)
+    monkeypatch.setattr(mla_decode, "_kernels", {})
+    if warps:
+        monkeypatch.setattr(mla_decode, "warps", lambda Dh: warps)
+    assert mla_decode.warps(576) == 12 or warps
     C = 64
     rng = np.random.default_rng(pos0)
     rows = rng.standard_normal((C, 1, Dh)).astype(np.float16)

@@ -4,16 +4,19 @@ mla_attention) on f16 tensor cores (mma.sync m16n8k16, mma.py), 16 query heads a
 MLA has one kv head: a cached row [latent R, k_pe Dr] (Dh = R + Dr = 576 for DeepSeek) is the
 key of every query head and, whole, its value. So the 16 heads of a block are the 16 rows of
 one m16 tile, and attention is two small matrix products a step of BK keys:
-    S [16, BK] = Q [16, Dh] @ K^T        (k = dims: each warp takes a quarter of Dh, the four
-                                          partial S meet in shared memory)
+    S [16, BK] = Q [16, Dh] @ K^T        (k = dims: each of W warps takes Dh / W of them,
+                                          the W partial S are summed in shared memory)
     P = exp(S - m), online softmax       (every warp the same rows, the same sums)
-    O [16, Dh] += P [16, BK] @ K         (n = dims: each warp owns a quarter of O)
+    O [16, Dh] += P [16, BK] @ K         (n = dims: each warp owns Dh / W of O)
+W = warps(Dh): 12 for DeepSeek's 576 (3 k-steps and 3 pairs of n-tiles a warp); fewer
+warps would hold more of Q and O in registers and keep fewer loads in flight.
 Grid (P splits, H / 16); a split takes an equal share of the keys and writes its unnormalised
 O and (m, l) for attention.merge_splits_kernel, as flash.decode's splits do (always merged).
 
     shared memory, 32-bit words of 2 f16 (the lower dim in the low half):
       Ks   [BK, SK]        key row jj: its Dh / 2 words       SK = Dh / 2 + 4
-      Sred [4, 8, 32]      warp w's partial S, register e of lane l at [w, e, l]
+      Sred [W, 8, 32]      warp w's partial S, register e of lane l at [w, e, l]
+      Ssum [8, 32]         their sum, the whole S, in the same order
     SK is 4 mod 32: a warp's fragment loads (S: 8 keys x 4 words; P K: 4 keys x 8 words)
     hit 32 different banks.
 
@@ -39,8 +42,6 @@ from .x8 import unused_x8
 f32 = np.float32
 u32 = np.uint32
 NEG_INF = f32(-np.inf)
-WARPS = 4           # a quarter of Dh each (S's k, O's n)
-NTH = 32 * WARPS
 HB = 16             # query heads a block: one m16 tile
 BK = 16             # keys a step
 MAX_DH = 576        # registers: Q Dh / 16, O Dh / 8 floats a lane
@@ -57,16 +58,25 @@ def used(q, k_cache, v_cache, window=0):
             and kv_type_of(k_cache) == "f16" and H % HB == 0 and Dh % 64 == 0 and Dh <= MAX_DH)
 
 
+def warps(Dh):
+    """Warps a block: the most (up to 12) that share Dh's k-steps (Dh / 16) evenly and its
+    rows' words of a step evenly (staging)."""
+    return next(w for w in (12, 8, 6, 4) if (Dh // 16) % w == 0 and (BK * Dh // 2) % (32 * w) == 0)
+
+
 def _kernel(Dh):
     if Dh in _kernels:
         return _kernels[Dh]
+    WARPS = warps(Dh)
+    NTH = 32 * WARPS
     DW = Dh // 2                   # words of a row
     SK = DW + 4
     DKW = Dh // 16 // WARPS        # S: k-steps a warp
-    NPW = Dh // 16 // WARPS        # O: pairs of n-tiles a warp
+    NPW = DKW                      # O: pairs of n-tiles a warp
     NS = BK // 2                   # S registers a lane (BK / 8 n-tiles)
     NO = 8 * NPW
     NW = BK * DW // NTH            # row words a thread stages a step
+    NQ = 4 * DKW                   # (a local array's shape: a constant, not an expression)
     KS = BK * SK
 
     @cuda.jit
@@ -80,6 +90,7 @@ def _kernel(Dh):
         h0 = cuda.blockIdx.y * HB
         Ks = cuda.shared.array(KS, u32)
         Sred = cuda.shared.array((WARPS, NS, 32), f32)
+        Ssum = cuda.shared.array((NS, 32), f32)
         hi = pos[0] + 1                                   # keys 0 .. pos0
         Pa = active_splits(hi, cuda.gridDim.x, min_keys)
         if p >= Pa:
@@ -87,7 +98,7 @@ def _kernel(Dh):
         a = (p * hi) // Pa
         b = ((p + 1) * hi) // Pa
 
-        qa = cuda.local.array(4 * DKW, u32)               # Q fragments, scaled, f16
+        qa = cuda.local.array(NQ, u32)               # Q fragments, scaled, f16
         for i in range(DKW):
             d = 16 * (w * DKW + i) + 2 * t4
             for r in range(4):
@@ -132,11 +143,16 @@ def _kernel(Dh):
                 i = tid + NTH * r
                 key = i // DW
                 st[r] = ld_u32(cache, (n0 + key) * 2 * Dh, 4 * (i - key * DW)) if n0 + key < b else u32(0)
-            # 3. whole S (the four quarters), masked; online softmax of rows g, g + 8
-            for e in range(NS):
-                x = (Sred[0, e, lane] + Sred[1, e, lane]) + (Sred[2, e, lane] + Sred[3, e, lane])
-                key = j0 + 8 * (e >> 2) + 2 * t4 + (e & 1)
-                s[e] = x if key < b else NEG_INF
+            for i in range(tid, NS * 32, NTH):           # 3. whole S, masked
+                e = i >> 5
+                x = f32(0.0)
+                for v in range(WARPS):
+                    x += Sred[v, e, i & 31]
+                key = j0 + 8 * (e >> 2) + 2 * ((i & 31) & 3) + (e & 1)
+                Ssum[e, i & 31] = x if key < b else NEG_INF
+            cuda.syncthreads()
+            for e in range(NS):                           # online softmax of rows g, g + 8
+                s[e] = Ssum[e, lane]
             mx_a = m_a
             mx_b = m_b
             for j in range(BK // 8):
@@ -221,7 +237,7 @@ def attention(out, q, cache, pos, scale, stream=0, xq=None, xds=None, sinks=None
         xq, xds = unused_x8()
     part_acc = _buffer("acc", (MAX_SPLITS, T, H, Dh))
     part_ml = _buffer("ml", (MAX_SPLITS, T, H, 2))
-    _kernel(Dh)[(P, H // HB), NTH, stream](part_acc, part_ml, q, write_view(cache), pos, f32(scale),
+    _kernel(Dh)[(P, H // HB), 32 * warps(Dh), stream](part_acc, part_ml, q, write_view(cache), pos, f32(scale),
                                            MIN_SPLIT_KEYS)
     merge_splits(out, part_acc, part_ml, P, pos, pos, 0, sinks, MIN_SPLIT_KEYS, xq, xds, quant, True,
                  stream)
