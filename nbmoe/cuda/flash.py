@@ -101,6 +101,51 @@ def supported(Dh, kv_types=("f16", "f16"), Dv=None):
 # out may alias q: a warp reads its rows of q before the loop and writes the same rows last.
 
 @device_fn
+def online_softmax(s, NT, o, NO, m_a, m_b, l_a, l_b):
+    """One key step's online softmax for a lane's two rows of an m16 tile (g and g + 8): the
+    step's scores s [4 NT] (C fragment order: s[4 j + e], e = (row g | g + 8) x (key 2t |
+    2t + 1); -inf where masked) become P = exp(s - m) in place, and O's NO values (the same
+    order, 4 an n-tile) are rescaled to the new maxima. The maxima are over the row's 4 lanes;
+    l is this lane's share of a row's sum. Returns the new (m_a, m_b, l_a, l_b)."""
+    mx_a = m_a
+    mx_b = m_b
+    for j in range(NT):
+        mx_a = max(mx_a, max(s[4 * j], s[4 * j + 1]))
+        mx_b = max(mx_b, max(s[4 * j + 2], s[4 * j + 3]))
+    mx_a = max(mx_a, shfl_xor(mx_a, 1))
+    mx_a = max(mx_a, shfl_xor(mx_a, 2))
+    mx_b = max(mx_b, shfl_xor(mx_b, 1))
+    mx_b = max(mx_b, shfl_xor(mx_b, 2))
+    base_a = mx_a if mx_a != NEG_INF else f32(0.0)    # a row with no key yet: p = 0
+    base_b = mx_b if mx_b != NEG_INF else f32(0.0)
+    corr_a = expf(m_a - base_a)                       # 0 on a row's first keys (m = -inf)
+    corr_b = expf(m_b - base_b)
+    l_a *= corr_a
+    l_b *= corr_b
+    for j in range(NT):
+        s[4 * j] = expf(s[4 * j] - base_a)
+        s[4 * j + 1] = expf(s[4 * j + 1] - base_a)
+        s[4 * j + 2] = expf(s[4 * j + 2] - base_b)
+        s[4 * j + 3] = expf(s[4 * j + 3] - base_b)
+        l_a += s[4 * j] + s[4 * j + 1]
+        l_b += s[4 * j + 2] + s[4 * j + 3]
+    for i in range(0, NO, 4):
+        o[i] *= corr_a
+        o[i + 1] *= corr_a
+        o[i + 2] *= corr_b
+        o[i + 3] *= corr_b
+    return mx_a, mx_b, l_a, l_b
+
+
+@device_fn
+def p_fragment(s, kc):
+    """P's A fragment (f16) for keys 16 kc .. 16 kc + 15: S's n-tiles 2 kc and 2 kc + 1."""
+    e = 8 * kc
+    return (pack_f16x2(s[e], s[e + 1]), pack_f16x2(s[e + 2], s[e + 3]),
+            pack_f16x2(s[e + 4], s[e + 5]), pack_f16x2(s[e + 6], s[e + 7]))
+
+
+@device_fn
 def split_keys(lo, hi, p, Pa):
     """Keys [a, b) of split p of the Pa that share keys [lo, hi)."""
     n = hi - lo
@@ -303,43 +348,11 @@ def _flash_kernel(Dh, Hkv, KT, VT, WARPS, KEYS, MIN_BLOCKS, SPLIT=False, Dv=None
                     s[4 * j + 1] = c1 if low_a <= kj + 1 <= lim_a else NEG_INF
                     s[4 * j + 2] = c2 if low_b <= kj <= lim_b else NEG_INF
                     s[4 * j + 3] = c3 if low_b <= kj + 1 <= lim_b else NEG_INF
-                # 3. online softmax: the rows' new max (over the 4 lanes of a row), rescale
-                mx_a = m_a
-                mx_b = m_b
-                for j in range(NT):
-                    mx_a = max(mx_a, max(s[4 * j], s[4 * j + 1]))
-                    mx_b = max(mx_b, max(s[4 * j + 2], s[4 * j + 3]))
-                mx_a = max(mx_a, shfl_xor(mx_a, 1))
-                mx_a = max(mx_a, shfl_xor(mx_a, 2))
-                mx_b = max(mx_b, shfl_xor(mx_b, 1))
-                mx_b = max(mx_b, shfl_xor(mx_b, 2))
-                base_a = mx_a if mx_a != NEG_INF else f32(0.0)    # a row with no key yet: p = 0
-                base_b = mx_b if mx_b != NEG_INF else f32(0.0)
-                corr_a = expf(m_a - base_a)
-                corr_b = expf(m_b - base_b)
-                m_a = mx_a
-                m_b = mx_b
-                l_a *= corr_a
-                l_b *= corr_b
-                for j in range(NT):
-                    s[4 * j] = expf(s[4 * j] - base_a)
-                    s[4 * j + 1] = expf(s[4 * j + 1] - base_a)
-                    s[4 * j + 2] = expf(s[4 * j + 2] - base_b)
-                    s[4 * j + 3] = expf(s[4 * j + 3] - base_b)
-                    l_a += s[4 * j] + s[4 * j + 1]
-                    l_b += s[4 * j + 2] + s[4 * j + 3]
-                for n in range(DN):
-                    o[4 * n] *= corr_a
-                    o[4 * n + 1] *= corr_a
-                    o[4 * n + 2] *= corr_b
-                    o[4 * n + 3] *= corr_b
+                # 3. online softmax of the lane's two rows; O rescaled to the new maxima
+                m_a, m_b, l_a, l_b = online_softmax(s, NT, o, NO, m_a, m_b, l_a, l_b)
                 # 4. O += P V: P's A fragment of keys 16 kc .. is S n-tiles 2 kc, 2 kc + 1
                 for kc in range(KC):
-                    e = 8 * kc
-                    p0 = pack_f16x2(s[e], s[e + 1])
-                    p1 = pack_f16x2(s[e + 2], s[e + 3])
-                    p2 = pack_f16x2(s[e + 4], s[e + 5])
-                    p3 = pack_f16x2(s[e + 6], s[e + 7])
+                    p0, p1, p2, p3 = p_fragment(s, kc)
                     for n in range(DN):
                         off = 4 * (8 * n * SV + 8 * kc)
                         o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3] = mma_f16_16x8x16(

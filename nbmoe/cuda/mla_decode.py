@@ -33,8 +33,9 @@ hides behind the products.
 import numpy as np
 from numba import cuda
 
-from . import ld_u32, shfl_xor, expf
+from . import ld_u32, shfl_xor
 from .attention import MAX_SPLITS, MIN_SPLIT_KEYS, SPLIT_KEYS, _buffer, _sinks, active_splits, merge_splits
+from .flash import online_softmax, p_fragment
 from .kv_rows import kv_type_of, write_view
 from .mma import mma_f16_16x8x16, pack_f16x2
 from .x8 import unused_x8
@@ -151,42 +152,12 @@ def _kernel(Dh):
                 key = j0 + 8 * (e >> 2) + 2 * ((i & 31) & 3) + (e & 1)
                 Ssum[e, i & 31] = x if key < b else NEG_INF
             cuda.syncthreads()
-            for e in range(NS):                           # online softmax of rows g, g + 8
+            for e in range(NS):
                 s[e] = Ssum[e, lane]
-            mx_a = m_a
-            mx_b = m_b
-            for j in range(BK // 8):
-                mx_a = max(mx_a, max(s[4 * j], s[4 * j + 1]))
-                mx_b = max(mx_b, max(s[4 * j + 2], s[4 * j + 3]))
-            mx_a = max(mx_a, shfl_xor(mx_a, 1))
-            mx_a = max(mx_a, shfl_xor(mx_a, 2))
-            mx_b = max(mx_b, shfl_xor(mx_b, 1))
-            mx_b = max(mx_b, shfl_xor(mx_b, 2))
-            corr_a = expf(m_a - mx_a)                     # 0 on the first step (m = -inf)
-            corr_b = expf(m_b - mx_b)
-            m_a = mx_a
-            m_b = mx_b
-            l_a *= corr_a
-            l_b *= corr_b
-            for j in range(BK // 8):
-                s[4 * j] = expf(s[4 * j] - mx_a)
-                s[4 * j + 1] = expf(s[4 * j + 1] - mx_a)
-                s[4 * j + 2] = expf(s[4 * j + 2] - mx_b)
-                s[4 * j + 3] = expf(s[4 * j + 3] - mx_b)
-                l_a += s[4 * j] + s[4 * j + 1]
-                l_b += s[4 * j + 2] + s[4 * j + 3]
-            for i in range(0, NO, 4):
-                o[i] *= corr_a
-                o[i + 1] *= corr_a
-                o[i + 2] *= corr_b
-                o[i + 3] *= corr_b
+            m_a, m_b, l_a, l_b = online_softmax(s, NS // 4, o, NO, m_a, m_b, l_a, l_b)
             # 4. O += P K over this warp's dim pairs, a k-step (16 keys) at a time
             for kc in range(BK // 16):
-                e = 8 * kc
-                p0 = pack_f16x2(s[e], s[e + 1])
-                p1 = pack_f16x2(s[e + 2], s[e + 3])
-                p2 = pack_f16x2(s[e + 4], s[e + 5])
-                p3 = pack_f16x2(s[e + 6], s[e + 7])
+                p0, p1, p2, p3 = p_fragment(s, kc)
                 r0 = (16 * kc + 2 * t4) * SK + g          # keys 2t, 2t + 1, 2t + 8, 2t + 9
                 for jj in range(NPW):
                     off = r0 + 8 * (w * NPW + jj)
