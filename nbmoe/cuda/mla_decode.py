@@ -45,7 +45,7 @@ u32 = np.uint32
 NEG_INF = f32(-np.inf)
 HB = 16             # query heads a block: one m16 tile
 BK = 16             # keys a step
-MAX_DH = 576        # registers: Q Dh / 16, O Dh / 8 floats a lane
+MAX_DH = 576        # registers a lane: Q Dh / (4 W) words, O Dh / (2 W) floats (W = warps(Dh))
 
 _kernels = {}
 
