@@ -33,7 +33,7 @@ hides behind the products.
 import numpy as np
 from numba import cuda
 
-from . import ld_u32, shfl_xor
+from . import device_fn, ld_u32, shfl_xor
 from .attention import MAX_SPLITS, MIN_SPLIT_KEYS, SPLIT_KEYS, _buffer, _sinks, active_splits, merge_splits
 from .flash import online_softmax, p_fragment
 from .kv_rows import kv_type_of, write_view
@@ -80,6 +80,14 @@ def _kernel(Dh):
     NQ = 4 * DKW                   # (a local array's shape: a constant, not an expression)
     KS = BK * SK
 
+    @device_fn
+    def load_rows(st, cache, j, b, tid):
+        """st = this thread's words of cache rows j .. j + BK - 1 (0 past row b - 1)."""
+        for r in range(NW):
+            i = tid + NTH * r
+            key = i // DW
+            st[r] = ld_u32(cache, (j + key) * 2 * Dh, 4 * (i - key * DW)) if j + key < b else u32(0)
+
     @cuda.jit
     def mla_decode_kernel(part_acc, part_ml, q, cache, pos, scale, min_keys):
         tid = cuda.threadIdx.x
@@ -115,10 +123,7 @@ def _kernel(Dh):
         m_b = NEG_INF
         l_a = f32(0.0)
         l_b = f32(0.0)
-        for r in range(NW):                               # the first step's rows
-            i = tid + NTH * r
-            key = i // DW
-            st[r] = ld_u32(cache, (a + key) * 2 * Dh, 4 * (i - key * DW)) if a + key < b else u32(0)
+        load_rows(st, cache, a, b, tid)                   # the first step's rows
 
         for j0 in range(a, b, BK):
             cuda.syncthreads()                            # Ks, Sred: the last step is read
@@ -127,7 +132,7 @@ def _kernel(Dh):
                 key = i // DW
                 Ks[key * SK + i - key * DW] = st[r]
             cuda.syncthreads()
-            # 1. this warp's quarter of the dims: partial S of the BK keys
+            # 1. this warp's Dh / W dims: partial S of the BK keys
             for j in range(BK // 8):
                 c0 = c1 = c2 = c3 = f32(0.0)
                 for i in range(DKW):
@@ -139,17 +144,13 @@ def _kernel(Dh):
                 Sred[w, 4 * j + 2, lane] = c2
                 Sred[w, 4 * j + 3, lane] = c3
             cuda.syncthreads()
-            n0 = j0 + BK                                  # 2. the next step's rows, in flight
-            for r in range(NW):
-                i = tid + NTH * r
-                key = i // DW
-                st[r] = ld_u32(cache, (n0 + key) * 2 * Dh, 4 * (i - key * DW)) if n0 + key < b else u32(0)
+            load_rows(st, cache, j0 + BK, b, tid)         # 2. the next step's rows, in flight
             for i in range(tid, NS * 32, NTH):           # 3. whole S, masked
                 e = i >> 5
                 x = f32(0.0)
                 for v in range(WARPS):
                     x += Sred[v, e, i & 31]
-                key = j0 + 8 * (e >> 2) + 2 * ((i & 31) & 3) + (e & 1)
+                key = j0 + 8 * (e >> 2) + 2 * (i & 3) + (e & 1)
                 Ssum[e, i & 31] = x if key < b else NEG_INF
             cuda.syncthreads()
             for e in range(NS):
