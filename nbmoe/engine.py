@@ -105,6 +105,7 @@ class LLM:
         self._lock_ram_for_zero_copy(auto)
         # the GPU share in use; -zce auto balances it while generating (zero_copy.py)
         self.zce_share = max((s for _, s in self.gpu_slots.values()), default=0)
+        self.shared_ahead = self._shared_ahead_layers()
         self.balancer = None
         if auto and self.zce_share and not _simulated(self.backends):
             self.balancer = ShareBalancer(self.zce_share, self.cfg.n_expert_used)
@@ -150,29 +151,43 @@ class LLM:
                  + moe_overrides(cpu_moe, n_cpu_moe))     # (the ep's layout has the RANKn rules)
         return place_tensors(self.weights, self.cfg.n_layer, n_gpu_layers, rules, devices)
 
-    def _zero_copy_layers(self, n, auto=False):
-        """{layer: (GPU, slots)}: the layers whose router runs on a GPU while their experts
-        stay in RAM; for one-token batches that GPU computes `slots` = min(n, A - 1) of the
-        chosen experts, reading their weights in place (model.moe_ffn, -zce). auto: none is
-        no error."""
-        if n <= 0:
-            return {}
+    def _split_layers(self):
+        """{layer: GPU}: the MoE layers whose router runs on a GPU while their experts stay in
+        RAM, in types that GPU reads in place (model.moe_ffn: not with post-FFN norms)."""
         place = lambda name: self.placement[name][0]
+        if not self.cfg.is_moe or self.cfg.flags.post_norms:
+            return {}
+        from nbmoe.cuda.quants import is_supported
         layers = {}
-        moe = self.cfg.is_moe and not self.cfg.flags.post_norms   # (model.moe_ffn)
-        for il in range(self.cfg.n_layer if moe else 0):
-            if not self.cfg.is_moe_layer(il):
-                continue
+        for il in filter(self.cfg.is_moe_layer, range(self.cfg.n_layer)):
             exps = self.expert_tensors(il)
             router = place(f"blk.{il}.ffn_gate_inp.weight")
-            if router != "CPU" and all(place(e) == "CPU" for e in exps):
-                from nbmoe.cuda.quants import is_supported
-                if all(is_supported(int(self.weights[e].ggml_type)) for e in exps):
-                    layers[il] = (router, min(n, self.cfg.n_expert_used - 1))
+            if (router != "CPU" and all(place(e) == "CPU" for e in exps)
+                    and all(is_supported(int(self.weights[e].ggml_type)) for e in exps)):
+                layers[il] = router
+        return layers
+
+    def _zero_copy_layers(self, n, auto=False):
+        """{layer: (GPU, slots)}: the split layers (_split_layers) where, for one-token
+        batches, that GPU computes `slots` = min(n, A - 1) of the chosen experts, reading their
+        weights in place (model.moe_ffn, -zce). auto: none is no error."""
+        if n <= 0:
+            return {}
+        layers = {il: (gpu, min(n, self.cfg.n_expert_used - 1))
+                  for il, gpu in self._split_layers().items()}
         if (not layers or max(s for _, s in layers.values()) == 0) and not auto:
             raise NbmoeError("-zce needs a MoE layer whose router is on a GPU and whose experts "
                              "are in RAM (e.g. -ngl 99 -ot exps=CPU), and more than one active expert")
         return {il: v for il, v in layers.items() if v[1] > 0}
+
+    def _shared_ahead_layers(self):
+        """The split layers whose shared experts live on the routing GPU: for one-token
+        batches that GPU computes them while the CPU computes the routed experts."""
+        if not self.cfg.n_shared_expert:
+            return frozenset()
+        return frozenset(il for il, gpu in self._split_layers().items()
+                         if all(b == gpu for name, (b, _) in self.placement.items()
+                                if name.startswith(f"blk.{il}.") and "_shexp." in name))
 
     def expert_tensors(self, il):
         """Layer il's expert matrices: gate and up (or their merge, -muge), down."""
@@ -262,15 +277,16 @@ class LLM:
         """The bound plan of a micro-batch (made once per shape). per_row: each row is another
         slot's next token (decode_slots); it reads the whole cache, so one plan (one CUDA graph
         per batch size) serves every mix of slots."""
-        share = self.zce_share if n_tokens == 1 and not per_row else 0
+        one = n_tokens == 1 and not per_row
+        share, ahead = (self.zce_share, self.shared_ahead) if one else (0, ())
         graphed = self._plan_per_slot and n_tokens <= scheduler.GRAPH_MAX_T
         key = (n_tokens, n_logits, share, "rows" if per_row else self.slot if graphed else 0)
         if key not in self._plans:
             g = build_graph(self.cfg, n_tokens, n_logits, "output.weight", self.fused_moe,
                             self.merged_layers, per_row, self.mla_expands(n_tokens, per_row))
-            if share:       # -zce: a GPU computes part of each layer's chosen experts
+            if share or ahead:   # -zce: a GPU computes part of each layer's experts
                 split_expert_slots(g, [share if il in self.gpu_slots else 0
-                                       for il in range(self.cfg.n_layer)])
+                                       for il in range(self.cfg.n_layer)], ahead)
             # several slots: prompt plans launch kernel by kernel (a recording holds one
             # slot's cache: a plan a slot would multiply their activation buffers)
             self._plans[key] = make_plan(g, self.backends, self.state,

@@ -56,6 +56,10 @@ def test_family_hybrid_equals_cpu(tiny_model, family, placement):
     assert "CUDA0" in llm.backends
     assert not [n for n in llm.placement if n.startswith(f"blk.{llm.cfg.n_layer}.")]   # NextN
     assert close(llm.eval(ids), cpu_logits(path, ids), rel=5e-4)
+    if "override_tensors" in placement and llm.cfg.n_shared_expert:
+        # a token's shared experts: on the GPU beside the CPU's routed experts
+        shared = [n for n in llm.plan(1, 1).graph.nodes if n.weight and "_shexp." in n.weight]
+        assert shared and {(n.backend, n.cause) for n in shared} == {("CUDA0", "zc")}
     ref = nbmoe.load(path, n_ctx=64, threads=2)
     ref.eval(ids)
     for tok in (17, 200, 5, 9) if long else (17,) if cuda_setup.SIM else (17, 200):

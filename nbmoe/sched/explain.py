@@ -15,7 +15,8 @@ from rich.table import Table
 CAUSES = {"wgt": "weight lives there", "off": "offloaded: RAM weight, large batch",
           "kv": "attention where its KV cache lives",
           "inp": "where most of its input bytes are", "def": "graph input",
-          "zc": "GPU share of a token's experts, RAM weights read in place (-zce)",
+          "zc": "GPU share of a token's experts (RAM weights read in place, -zce) and its "
+                "shared experts, beside the CPU's",
           "ep": "a MoE layer's experts, shared over the MPI ranks (--ep)"}
 
 

@@ -13,7 +13,8 @@ Assignment (recorded per node in `node.cause`, shown by --explain), like llama.c
   def  nothing to follow (graph inputs only): the CPU
   zc   a one-token MoE layer's GPU share of the chosen experts (zero_copy.split_expert_slots):
        the GPU that routed computes them reading the expert weights from RAM over PCIe (zero
-       copy, no upload), at the same time as the CPU computes the other experts
+       copy, no upload), at the same time as the CPU computes the other experts; and the
+       layer's shared experts, whose weights that GPU holds
 A split is a maximal run of consecutive nodes on one backend. Walking the nodes in order,
 the scheduler tracks on which backends each buffer's current value is; when a split starts,
 every buffer it reads that is not valid on its backend gets a copy step (all at once, so a

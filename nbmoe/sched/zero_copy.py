@@ -96,29 +96,51 @@ def measured_times(steps):
 
 # ---------------------------------------------------------------- the graph's split
 
-def split_expert_slots(graph, slots):
+def split_expert_slots(graph, slots, shared=()):
     """Rewrite one-token MoE layers for -zce: slots[il] = S > 0 splits layer il's chosen experts
     into a GPU share (slots 0..S-1: the GPU reads their weights from RAM in place) and the CPU's
     (S..A-1). The GPU's nodes (params zero_copy, slots) come first and add their weighted sum to
     the residual x themselves; the scheduler launches them without waiting for them, right after
     the copies the CPU's share needs, and the CPU's sum goes on to the layer's output as before.
-    The experts' nodes run from a layer's first MUL_MAT_ID to the MOE_COMBINE into ffn_out."""
+    The experts' nodes run from a layer's first MUL_MAT_ID to the MOE_COMBINE into ffn_out.
+    shared: the layers whose shared experts (weights on the routing GPU) join the GPU's share:
+    they read only the normed x, so the GPU computes them while the CPU computes the routed
+    experts, and adds them to x itself instead of to the CPU's sum."""
     nodes, out, i = graph.nodes, [], 0
     while i < len(nodes):
         n = nodes[i]
-        S = slots[int(n.weight.split(".")[1])] if n.op == "MUL_MAT_ID" and n.weight else 0
-        if not S:
+        il = int(n.weight.split(".")[1]) if n.op == "MUL_MAT_ID" and n.weight else None
+        S = slots[il] if il is not None else 0
+        if il is None or not (S or il in shared):
             out.append(n)
             i += 1
             continue
         j = next(k for k in range(i, len(nodes)) if nodes[k].op == "MOE_COMBINE")
         run, A = nodes[i:j + 1], graph.buffers["expert_ids"].shape[1]
-        out += _share(graph, run, "zc_", "zc_out", (0, S))
-        out.append(Node("ADD", "x", ("x", "zc_out"), params={"zero_copy": True}))
-        out += _share(graph, run, "exp_", run[-1].out, (S, A))
-        i = j + 1
+        if S:
+            out += _share(graph, run, "zc_", "zc_out", (0, S))
+            out.append(Node("ADD", "x", ("x", "zc_out"), params={"zero_copy": True}))
+        end = _shared_experts_end(nodes, j) if il in shared else None
+        if end is not None:
+            out += [Node(m.op, m.out, m.srcs, m.weight, {**m.params, "zero_copy": True})
+                    for m in nodes[j + 1:end]]
+            out.append(Node("ADD", "x", ("x", "shexp_out"), params={"zero_copy": True}))
+        out += _share(graph, run, "exp_", run[-1].out, (S, A)) if S else run
+        i = j + 1 if end is None else end + 1
     graph.nodes[:] = out
     return graph
+
+
+def _shared_experts_end(nodes, j):
+    """The index of the ADD ffn_out += shexp_out that ends the shared experts' nodes after a
+    layer's MOE_COMBINE at nodes[j] (model.moe_ffn), None if the layer has none."""
+    for k in range(j + 1, len(nodes)):
+        n = nodes[k]
+        if n.op == "ADD":
+            return k if n.out == "ffn_out" and n.srcs == ("ffn_out", "shexp_out") else None
+        if n.weight is not None and "_shexp." not in n.weight:
+            return None
+    return None
 
 
 def _share(graph, run, prefix, out, slots):
