@@ -102,14 +102,15 @@ def _k(name):
 @pytest.mark.parametrize("name,K", [("Q4_0", 448), ("Q6_K", 512)])
 def test_mul_mat_mma_split_k(name, K, tiles, monkeypatch):
     """A grid of few blocks (4) on a GPU of 8 multiprocessors splits K over grid z: Q4_0 in 3
-    splits of 6, 6 and 2 blocks of 32, Q6_K in 4; the parts are summed after."""
+    splits of 6, 6 and 2 blocks of 32, Q6_K in 4; the parts are summed after, the bias added
+    once."""
     monkeypatch.setattr(matmul_mma, "sm_count", lambda: 8)
     M, T = 37, 19
     w, wref = _weights((M,), name, seed=5, K=K)
-    x = rnd(T, K, seed=6)
+    x, bias = rnd(T, K, seed=6), rnd(M, seed=7)
     out = poisoned((T, M))
-    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]))
-    check_x8(f"mma mul_mat split-K {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
+    matmul.mul_mat(out, dev(w), dev(x), int(Q[name]), bias=dev(bias))
+    check_x8(f"mma mul_mat split-K {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T + bias, True)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -124,19 +125,21 @@ def test_mul_mat_mma(name, tiles):
     check_x8(f"mma mul_mat {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
 
 
-@pytest.mark.parametrize("name,X", [("Q4_0", 1), ("Q6_K", 2), ("MXFP4", 1)])
-def test_mul_mat_id_mma(name, X, tiles):
+@pytest.mark.parametrize("name,X,biased", [("Q4_0", 1, False), ("Q6_K", 2, False), ("MXFP4", 1, True)])
+def test_mul_mat_id_mma(name, X, biased, tiles):
     """E = 4, A = 2, T = 11 tokens: expert 1 gets 9 pairs (a full and a partial 8-slot tile),
-    expert 3 none; M = 20 rows (a partial row tile)."""
+    expert 3 none; M = 20 rows (a partial row tile); biased: + the chosen expert's bias row."""
     E, M, A, T, K = 4, 20, 2, 11, _k(name)
     w, wref = _weights((E, M), name, seed=3, K=K)
     ids = np.array([[1, 0], [2, 1], [1, 0], [0, 1], [1, 2], [2, 1], [1, 0], [0, 2], [1, 2], [2, 1], [0, 2]],
                    np.int32)
     x = rnd(T, X, K, seed=4)
+    bias = rnd(E, M, seed=5) if biased else np.zeros((E, M), np.float32)
     out = poisoned((T, A, M))
-    matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]))
+    matmul.mul_mat_id(out, dev(w), dev(x), dev(ids), int(Q[name]),
+                      bias=dev(bias.ravel()) if biased else None)
     check_x8(f"mma mul_mat_id {name} X={X}", out.copy_to_host(), x,
-             lambda x_: mul_mat_id_ref(wref, x_, ids), True)
+             lambda x_: mul_mat_id_ref(wref, x_, ids) + bias[ids], True)
 
 
 def test_x_ready_mma(tiles):

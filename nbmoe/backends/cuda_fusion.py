@@ -7,7 +7,10 @@ the node bound next may still change what it does (a recorded graph sees the res
   writes the 8-bit x;
   products of the same input in a row (q, k, v; gate, up): one quantization of x; the
   experts' gate / up after norm_route, which writes their 8-bit x;
-  a prompt's expert products that share their ids: one grouping by expert (_grouped).
+  a prompt's expert products that share their ids: one grouping by expert (_grouped);
+  a product, then the ADD_BIAS (ADD_BIAS_ID) of its output (after its twins of the same
+  input): the product's kernel adds the bias (matmul.fuses_bias[_id]), the bias's step is
+  empty (_biasable).
 The input is unchanged in between: any writer would have been bound in between, and a copy
 into it would mean it was not valid here before. `_last` describes the node bound last on
 this GPU, with its buffer table (so nothing fuses across plans): ("add", node, buf, cell),
@@ -33,6 +36,8 @@ class FusionBinders:
     def bind(self, node, buf, state):
         self.activate()
         self._prev, self._last = self._last, None
+        if self._biasable is None or node.op not in ("MUL_MAT", "MUL_MAT_ID", "ADD_BIAS", "ADD_BIAS_ID"):
+            self._biasable = {}
         group = self._groups.get(id(node))
         if group is not None and node is not group[1][0]:
             self._last = self._prev
@@ -93,16 +98,41 @@ class FusionBinders:
 
     def _resident_mul_mat(self, node, buf):
         out, w, x, qtype = self.mul_mat_operands(node, buf)
-        mm = self.mm
+        mm, cell = self.mm, {}
         ready = self._x_ready(node, buf, qtype, x.shape[0], x.shape[1])
-        return lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready)
+        if mm.fuses_bias(qtype, x.shape[0], x.shape[1]):
+            self._biasable[(id(buf), node.out)] = (node, cell)
+        return lambda: mm.mul_mat(out, w, x, qtype, x_ready=ready, bias=cell.get("bias"))
 
     def _resident_mul_mat_id(self, node, buf):
         out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
-        mm = self.mm
+        mm, cell = self.mm, {}
         ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
         grouped = self._grouped(node, buf, ids, w.shape[0], mm.id_tile(qtype, x.shape[2], x.shape[0]))
-        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped)
+        if mm.fuses_bias_id(qtype, x.shape[0], x.shape[2]):
+            self._biasable[(id(buf), node.out)] = (node, cell)
+        return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped,
+                                     bias=cell.get("bias"))
+
+    # A product's bias, bound after it (and its twins of the same input) while only products
+    # and biases were bound in between: (id(buf), output) -> (product node, its step's cell).
+    _biasable = None
+
+    def _fused_bias(self, node, buf):
+        """An empty step when the product that wrote node's input adds node's bias itself."""
+        found = self._biasable.pop((id(buf), node.out), None)
+        product = found and found[0]
+        if not found or node.srcs[0] != node.out or product.srcs[1:] != node.srcs[1:]:
+            return None
+        found[1]["bias"] = self.vector(node.weight)
+        self._last = self._prev          # the x8 record goes on to the next twin product
+        return lambda: None
+
+    def bind_add_bias(self, node, buf, state):
+        return self._fused_bias(node, buf) or super().bind_add_bias(node, buf, state)
+
+    def bind_add_bias_id(self, node, buf, state):
+        return self._fused_bias(node, buf) or super().bind_add_bias_id(node, buf, state)
 
     # A prompt's expert products group their (token, expert) pairs by expert first (a kernel
     # launch, matmul_tiled.group_by_expert); a MoE layer's gate, up and down products share their

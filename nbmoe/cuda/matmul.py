@@ -358,19 +358,20 @@ def _rb_k(w, qtype):
 def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=None):
     """out [T, M] f32 = x [T, K] f32 @ dequant(w [M, row_bytes])^T, on the device.
     x_ready: x is the one the previous product quantized (see quantizes_x).
-    accumulate: out += the product instead; bias [M] (None or size 0: none): the product +
-    bias (the o projection's bias, then the residual add); both for matrix-vector products
-    only, T <= MMV_MAX_T."""
+    accumulate: out += the product instead (matrix-vector products only, T <= MMV_MAX_T);
+    bias [M] (None or size 0: none): the product + bias, where fuses_bias says."""
     RB, K = _rb_k(w, qtype)
     T, M = out.shape
     if T == 0:
         return
-    if T > MMV_MAX_T and (accumulate or (bias is not None and bias.shape[0] > 0)):
-        raise ValueError("mul_mat: accumulate and bias are for matrix-vector products (T <= MMV_MAX_T)")
+    if T > MMV_MAX_T and accumulate:
+        raise ValueError("mul_mat: accumulate is for matrix-vector products (T <= MMV_MAX_T)")
+    if bias is not None and bias.shape[0] > 0 and not fuses_bias(qtype, T, K):
+        raise ValueError(f"mul_mat: no kernel adds a bias to a {T}-row product of this type")
     if bias is not None and bias.shape[0] not in (0, M):
         raise ValueError(f"mul_mat: bias {bias.shape} for {M} rows")
     if T > MMV_MAX_T and MMA and _int8(qtype, K):
-        _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready)
+        _mma.mul_mat(out, w, x, qtype, RB, K, stream, x_ready, bias)
         return
     if T > MMV_MAX_T and K % 32 == 0 and M >= TILED_MIN_M:
         kern, nth = tiled_kernel(qtype, TILE_M, TILE_T, TILE_RM, TILE_RT, False)
@@ -394,6 +395,17 @@ def mul_mat(out, w, x, qtype, stream=0, x_ready=False, accumulate=False, bias=No
         _mmv_kernel(qtype, nt, S, accumulate)[grid, (32, MMV_WARPS), stream](out, w, x, bias, RB, K)
 
 
+def fuses_bias(qtype, T, K):
+    """Whether mul_mat adds a bias in its own kernel for T rows: matrix-vector products and
+    the int8 tensor-core tiles."""
+    return T <= MMV_MAX_T or (MMA and _int8(qtype, K))
+
+
+def fuses_bias_id(qtype, T, K):
+    """Whether mul_mat_id adds the experts' bias in its own kernel: the tensor-core tiles."""
+    return T > MMV_MAX_T and K % 32 == 0 and MMA and _int8(qtype, K)
+
+
 def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
     """out [T, M] = x @ dequant(w)^T for few rows (M < TILED_MIN_M): the tiled kernel with K
     split over grid z into enough blocks for the GPU, then the parts summed in order."""
@@ -409,14 +421,18 @@ def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
     sum_splits(out, part, Z, stream)
 
 
-def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
+def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, bias=None):
     """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
-    x [T, X, K], ids int32 [T, A] on the device. grouped: see matmul_tiled.group_by_expert."""
+    x [T, X, K], ids int32 [T, A] on the device. grouped: see matmul_tiled.group_by_expert.
+    bias (flat [E * M], None or size 0: none): + the chosen expert's row, where
+    fuses_bias_id says."""
     RB, K = _rb_k(w, qtype)
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
     N = T * A
+    if bias is not None and bias.shape[0] > 0 and not fuses_bias_id(qtype, T, K):
+        raise ValueError(f"mul_mat_id: no kernel adds a bias to a {T}-token product of this type")
     if N == 0:
         return
     if T <= MMV_MAX_T or K % 32 != 0:
@@ -429,7 +445,7 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False):
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
     if MMA and _int8(qtype, K):
-        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped)
+        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped, bias)
         return
     TT = TILE_T_ID
     order, tiles, max_tiles = group_by_expert(ids, E, TT, stream, grouped)

@@ -20,7 +20,7 @@ the float scaling follows per block, so an int32 never sums more than 32 product
 import numpy as np
 from numba import cuda
 
-from . import SIM, as_f32, device_fn, ld_f32, ld_i32, st_f32, st_i32
+from . import SIM, as_f32, device_fn, ld_f32, ld_i32, or_empty, st_f32, st_i32
 from .matmul_tiled import group_by_expert, sum_splits, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
@@ -122,7 +122,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
-        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC):
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
@@ -273,51 +273,57 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
                 cuda.syncthreads()
             # 3. store: lane (g, t4) has rows g, g + 8 and slots 2 t4, 2 t4 + 1 of each tile; out
             # [T, M] or [T, A, M] (C-contiguous) is rows of M: row orow[slot] (t, or p = t * A + a);
-            # split-K: rows z * T + t of the parts [Z, T, M]
+            # split-K: rows z * T + t of the parts [Z, T, M]. bias [M] or flat [E * M] (the
+            # tile's expert's at rbase): added once (split-K: by the parts of z = 0)
             zt = cuda.blockIdx.z * T if split_k else 0
+            biased = bias.shape[0] > 0 and zt == 0
             for i in range(MI):
                 for h in range(2):
                     r = r0 + rw + 16 * i + g + 8 * h
                     if r < M:
+                        b = bias[rbase + r] if biased else f32(0.0)
                         for j in range(NJ):
                             for e in range(2):
                                 o = orow[cw + 8 * j + 2 * t4 + e]
                                 if o >= 0:
-                                    st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e])
+                                    st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e] + b)
         return mul_mat_mma_kernel, NTH
     return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
 
-def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False):
-    """out [T, M] = x [T, K] @ dequant(w [M, RB])^T, x quantized to 8 bits (or x_ready). A grid
-    of fewer than SPLIT_FILL blocks an SM splits K over grid z (parts summed in order after)."""
+def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
+    """out [T, M] = x [T, K] @ dequant(w [M, RB])^T (+ bias [M]), x quantized to 8 bits (or
+    x_ready). A grid of fewer than SPLIT_FILL blocks an SM splits K over grid z (parts summed
+    in order after)."""
     T, M = out.shape
     xq, xds = quantize_x(x, T, K, stream, x_ready)
-    d = buffer("dummy", 4, np.int32)
+    d, bias = buffer("dummy", 4, np.int32), or_empty(bias)
     gm, gt = (M + TM - 1) // TM, (T + TT - 1) // TT
     nb = K // 32
     Z = min(SPLIT_FILL * sm_count() // (gm * gt), nb // (SPLIT_MIN_STEPS * KB))
     if Z < 2:
         kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
-        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb)
+        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, bias)
         return
     kc = -(-nb // (Z * KB)) * KB                 # blocks of K a split: whole K steps
     Z = -(-nb // kc)
     part = buffer("mma_split_k", Z * T * M, np.float32)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
-    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc)
+    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, bias)
     sum_splits(out, part, Z, stream)
 
 
-def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False):
-    """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0], the pairs
-    grouped by expert in tiles of TT_ID slots (matmul_tiled.group_by_expert)."""
+def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, bias=None):
+    """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0] (+ the
+    expert's row of bias, flat [E * M]), the pairs grouped by expert in tiles of TT_ID slots
+    (matmul_tiled.group_by_expert)."""
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
     order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
     kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
-    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32)
+    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X,
+                                                    K // 32, or_empty(bias))
