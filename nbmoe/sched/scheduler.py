@@ -398,9 +398,10 @@ def _split_inputs(nodes, start):
 
 def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
     """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
-    waits for its GPU at the end: the host reads or rewrites the pinned buffers next). A run
-    of zc steps (`ahead`) is a graph the host does not wait for, launched together with the
-    run before it (_LaunchAhead)."""
+    waits for its GPU at the end: the host reads or rewrites the pinned buffers next, unless
+    the next step is an unrecorded launch on the same GPU's stream, such as MLA's expanded
+    attention, which the stream orders after it). A run of zc steps (`ahead`) is a graph the
+    host does not wait for, launched together with the run before it (_LaunchAhead)."""
     out_steps, out_labels, out_on, i = [], [], [], 0
     while i < len(steps):
         gpu = record_on.get(i)
@@ -413,7 +414,8 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
         j, is_ahead = i, i in ahead
         while j < len(steps) and record_on.get(j) == gpu and (j in ahead) == is_ahead:
             j += 1
-        run = backends[gpu].graph_run(steps[i:j], labels[i:j], wait=not is_ahead)
+        launch_next = j < len(steps) and runs_on[j] == gpu and record_on.get(j) is None
+        run = backends[gpu].graph_run(steps[i:j], labels[i:j], wait=not (is_ahead or launch_next))
         if is_ahead and out_on and out_on[-1] == gpu and isinstance(out_steps[-1], type(run)):
             prev = next((s for s in reversed(out_steps) if isinstance(s, _LaunchAhead)), None)
             out_steps[-1] = _LaunchAhead(out_steps[-1], run, backends[gpu], prev)
