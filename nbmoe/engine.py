@@ -88,8 +88,9 @@ class LLM:
             raise NbmoeError("--ep does not read merged ffn_gate_up_exps tensors (this file ships them)")
         set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
+        split = self._split_layers()
         self.gpu_slots = self._zero_copy_layers(
-            round(config.ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
+            split, round(config.ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
         # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
         # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
@@ -105,7 +106,7 @@ class LLM:
         self._lock_ram_for_zero_copy(auto)
         # the GPU share in use; -zce auto balances it while generating (zero_copy.py)
         self.zce_share = max((s for _, s in self.gpu_slots.values()), default=0)
-        self.shared_ahead = self._shared_ahead_layers()
+        self.shared_ahead = self._shared_ahead_layers(split)
         self.balancer = None
         if auto and self.zce_share and not _simulated(self.backends):
             self.balancer = ShareBalancer(self.zce_share, self.cfg.n_expert_used)
@@ -167,25 +168,25 @@ class LLM:
                 layers[il] = router
         return layers
 
-    def _zero_copy_layers(self, n, auto=False):
-        """{layer: (GPU, slots)}: the split layers (_split_layers) where, for one-token
+    def _zero_copy_layers(self, split, n, auto=False):
+        """{layer: (GPU, slots)}: the split layers (`split`, _split_layers) where, for one-token
         batches, that GPU computes `slots` = min(n, A - 1) of the chosen experts, reading their
         weights in place (model.moe_ffn, -zce). auto: none is no error."""
         if n <= 0:
             return {}
         layers = {il: (gpu, min(n, self.cfg.n_expert_used - 1))
-                  for il, gpu in self._split_layers().items()}
+                  for il, gpu in split.items()}
         if (not layers or max(s for _, s in layers.values()) == 0) and not auto:
             raise NbmoeError("-zce needs a MoE layer whose router is on a GPU and whose experts "
                              "are in RAM (e.g. -ngl 99 -ot exps=CPU), and more than one active expert")
         return {il: v for il, v in layers.items() if v[1] > 0}
 
-    def _shared_ahead_layers(self):
-        """The split layers whose shared experts live on the routing GPU: for one-token
+    def _shared_ahead_layers(self, split):
+        """The split layers (`split`, _split_layers) whose shared experts live on the routing GPU: for one-token
         batches that GPU computes them while the CPU computes the routed experts."""
         if not self.cfg.n_shared_expert:
             return frozenset()
-        return frozenset(il for il, gpu in self._split_layers().items()
+        return frozenset(il for il, gpu in split.items()
                          if all(b == gpu for name, (b, _) in self.placement.items()
                                 if name.startswith(f"blk.{il}.") and "_shexp." in name))
 

@@ -121,8 +121,7 @@ class FusionBinders:
     def _fused_bias(self, node, buf):
         """An empty step when the product that wrote node's input adds node's bias itself."""
         found = self._biasable.pop((id(buf), node.out), None)
-        product = found and found[0]
-        if not found or node.srcs[0] != node.out or product.srcs[1:] != node.srcs[1:]:
+        if found is None or node.srcs[0] != node.out or found[0].srcs[1:] != node.srcs[1:]:
             return None
         found[1]["bias"] = self.vector(node.weight)
         self._last = self._prev          # the x8 record goes on to the next twin product
