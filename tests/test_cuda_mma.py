@@ -30,12 +30,13 @@ NAMES = ["Q4_0", "Q8_0", "Q6_K", "IQ4_XS", "MXFP4"]
 
 @pytest.fixture
 def tiles(monkeypatch):
-    """2 warps of 16 x 16 (rows x tokens) in a 32 x 16 tile (8-slot tiles of an expert), a K
-    step of 2 blocks; the matrix-vector kernel up to T = 2 tokens."""
+    """2 warps of 16 x 16 (rows x tokens) in a 32 x 16 tile (8-slot tiles of an expert; wide
+    ones: 16 slots over 2 warp columns, where a test asks for them), a K step of 2 blocks; the
+    matrix-vector kernel up to T = 2 tokens."""
     monkeypatch.setattr(matmul, "MMA", True)
     monkeypatch.setattr(matmul, "INT8_DOT", True)
     monkeypatch.setattr(matmul, "MMV_MAX_T", 2)
-    for k, v in dict(TM=32, TT=16, TT_ID=8, WM=2, WT=1, KB=2).items():
+    for k, v in dict(TM=32, TT=16, WM=2, WT=1, KB=2, ID_TILES=((0, (32, 8, 2, 1, 2)),)).items():
         monkeypatch.setattr(matmul_mma, k, v)
 
 
@@ -125,11 +126,17 @@ def test_mul_mat_mma(name, tiles):
     check_x8(f"mma mul_mat {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
 
 
-@pytest.mark.parametrize("name,X,biased", [("Q4_0", 1, False), ("Q6_K", 2, False), ("MXFP4", 1, True)])
-def test_mul_mat_id_mma(name, X, biased, tiles):
-    """E = 4, A = 2, T = 11 tokens: expert 1 gets 9 pairs (a full and a partial 8-slot tile),
-    expert 3 none; M = 20 rows (a partial row tile); biased: + the chosen expert's bias row."""
+@pytest.mark.parametrize("name,X,biased,wide", [("Q4_0", 1, False, False), ("Q6_K", 2, False, False),
+                                                ("MXFP4", 1, True, False), ("Q6_K", 2, False, True),
+                                                ("MXFP4", 1, True, True)])
+def test_mul_mat_id_mma(name, X, biased, wide, tiles, monkeypatch):
+    """E = 4, A = 2, T = 11 tokens: expert 1 gets 9 pairs (a full and a partial 8-slot tile;
+    wide: one partial 16-slot tile), expert 3 none; M = 20 rows (a partial row tile); biased:
+    + the chosen expert's bias row."""
     E, M, A, T, K = 4, 20, 2, 11, _k(name)
+    if wide:
+        monkeypatch.setattr(matmul_mma, "ID_TILES", ((6, (16, 32, 1, 2, 4)), (5, (32, 16, 2, 2, 1)), (0, (32, 8, 2, 1, 2))))
+        assert matmul_mma.id_tiles(T, E, A) == (32, 16, 2, 2, 1)        # 22 pairs over 4 experts: 5.5 each
     w, wref = _weights((E, M), name, seed=3, K=K)
     ids = np.array([[1, 0], [2, 1], [1, 0], [0, 1], [1, 2], [2, 1], [1, 0], [0, 2], [1, 2], [2, 1], [0, 2]],
                    np.int32)
@@ -178,7 +185,7 @@ def test_grouped_reuses_the_last_grouping(tiles):
                 for k in ("gate", "up"))
     other = SimpleNamespace(srcs=("h", "ids1"), weight="blk.0.ffn_up_exps.weight")
     next_layer = SimpleNamespace(srcs=("h", "ids0"), weight="blk.1.ffn_gate_exps.weight")
-    tile = matmul.id_tile(int(Q["Q4_0"]), K, T)
+    tile = matmul.id_tile(int(Q["Q4_0"]), K, T, E, A)
     assert tile and not be._grouped(gate, buf, ids, E, tile)
     assert be._grouped(up, buf, ids, E, tile)
     assert not be._grouped(other, buf, ids, E, tile)          # other ids

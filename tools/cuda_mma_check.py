@@ -61,10 +61,10 @@ def main():
     keys = ("TM", "TT", "WM", "WT", "KB", "MIN_BLOCKS")
     default = tuple(getattr(matmul_mma, k) for k in keys)
     print(f"{name.decode() if isinstance(name, bytes) else name}: default mma tile {'x'.join(map(str, default))}"
-          f" (mul_mat_id: {matmul_mma.TT_ID} slots)", flush=True)
+          f" (mul_mat_id: {matmul_mma.ID_TILES} by least pairs an expert)", flush=True)
     configs = [default] + [tuple(int(v) for v in c.split("x")) + default[5:][len(c.split("x")) - 5:]
                            for c in a.tiles.split(",") if c]
-    tt_id = matmul_mma.TT_ID
+    id_tiles = matmul_mma.ID_TILES
     rng = np.random.default_rng(0)
     T, M, K = (int(v) for v in a.shape.split(","))
     TE, E, A, F, KE = (int(v) for v in a.moe.split(","))
@@ -94,7 +94,7 @@ def main():
             for cfg in configs:
                 for k, v in zip(keys, cfg):
                     setattr(matmul_mma, k, v)
-                matmul_mma.TT_ID = tt_id if cfg == default else cfg[1]
+                matmul_mma.ID_TILES = id_tiles if cfg == default else ((0, cfg[:4] + cfg[5:]),)
                 try:
                     run(xin)
                     got = o.copy_to_host()
@@ -114,7 +114,7 @@ def main():
                       f"  mma {flops / t_m / 1e9:6.1f} TFLOP/s {t_m:7.3f} ms  x{t_f / t_m:.1f}", flush=True)
             for k, v in zip(keys, default):
                 setattr(matmul_mma, k, v)
-            matmul_mma.TT_ID = tt_id
+            matmul_mma.ID_TILES = id_tiles
         dw = dwe = None
     print(f"{'FAILED: ' + str(failed) + ' checks' if failed else 'all checks ok'} ({time.time() - t_start:.0f} s)",
           flush=True)

@@ -60,12 +60,12 @@ def main():
         sys.exit(check_flash(a))
     if a.tile:
         mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
-        mm.TT_ID = mm.TT
+        mm.ID_TILES = ((0, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)),)
     bad = 0
     for name in a.types.split(","):
         for gather in (False, True):
-            kern, nth = mm._mma_kernel(int(Q[name]), mm.TM, mm.TT_ID if gather else mm.TT, mm.WM, mm.WT, mm.KB,
-                                       gather)
+            tm, tt, wm, wt, mb = mm.ID_TILES[-1][1] if gather else (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)
+            kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))

@@ -108,7 +108,8 @@ class FusionBinders:
         out, w, x, ids, qtype = self.mul_mat_id_operands(node, buf)
         mm, cell = self.mm, {}
         ready = self._x_ready(node, buf, qtype, x.shape[0] * x.shape[1], x.shape[2])
-        grouped = self._grouped(node, buf, ids, w.shape[0], mm.id_tile(qtype, x.shape[2], x.shape[0]))
+        tile = mm.id_tile(qtype, x.shape[2], x.shape[0], w.shape[0], ids.shape[1])
+        grouped = self._grouped(node, buf, ids, w.shape[0], tile)
         if mm.fuses_bias_id(qtype, x.shape[0], x.shape[2]):
             self._biasable[(id(buf), node.out)] = (node, cell)
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped,

@@ -339,12 +339,13 @@ def _int8(qtype, K):
     return INT8_DOT and qtype_info(qtype).idec is not None and K % 32 == 0
 
 
-def id_tile(qtype, K, T):
-    """The tile of token slots a T-token mul_mat_id groups its pairs in (0: no grouping, the
-    matrix-vector path): a caller that knows two products share their ids passes grouped."""
+def id_tile(qtype, K, T, E, A):
+    """The tile of token slots a T-token mul_mat_id of A of E experts groups its pairs in (0: no
+    grouping, the matrix-vector path): a caller that knows two products share their ids passes
+    grouped."""
     if T <= MMV_MAX_T or K % 32 != 0:
         return 0
-    return _mma.TT_ID if MMA and _int8(qtype, K) else TILE_T_ID
+    return _mma.id_tiles(T, E, A)[1] if MMA and _int8(qtype, K) else TILE_T_ID
 
 
 def _rb_k(w, qtype):

@@ -44,11 +44,11 @@ TO_SIGNED = {Q4_0: 0x78787878, Q5_0: 0x70707070}          # + 128 - 8, + 128 - 1
 assert not PER16 & HAS_M and not (PER16 | HAS_M) & set(TO_SIGNED)
 assert not {Q8_0, IQ4_NL, IQ4_XS, MXFP4} & HAS_M
 
-# A block computes TM rows x TT tokens (TT_ID token slots of one expert for mul_mat_id) with
+# A block of mul_mat computes TM rows x TT tokens (mul_mat_id: ID_TILES below) with
 # WM x WT warps, each a (TM / WM) x (TT / WT) piece of 16 x 8 mma tiles; it steps K by KB
 # blocks of 32 (shared memory: (TM + TT) * (32 KB + 16) bytes + scales, <= 48 KB). The simulator
 # keeps a few small warps (every thread is a Python thread there).
-TM, TT, TT_ID, WM, WT, KB = (32, 16, 16, 2, 1, 2) if SIM else (128, 64, 64, 4, 2, 4)
+TM, TT, WM, WT, KB = (32, 16, 2, 1, 2) if SIM else (128, 64, 4, 2, 4)
 # Dense products whose grid has fewer than SPLIT_FILL blocks an SM (the k and v products of a
 # 512-token prompt: 32 blocks) split K over grid z, each split at least SPLIT_MIN_STEPS K
 # steps: a block's K steps run one after another at about the same time a step however few
@@ -57,6 +57,11 @@ SPLIT_FILL, SPLIT_MIN_STEPS = 2, 2
 # Blocks an SM should hold at once (launch bounds: ptxas keeps registers to 64K / (MIN_BLOCKS
 # * threads), 128 at 256 threads; unbounded, some types took ~155 and ran one block an SM).
 MIN_BLOCKS = 2
+# mul_mat_id's tiles by the pairs an expert averages, p = T * A / E: the first row whose least p
+# is met gives (TM, TT, WM, WT, blocks an SM). Slots that hold about all of an expert's pairs
+# decode each weight unit into shared memory once (tools/cuda_mma_check.py --moe, docs/kernels.md).
+ID_TILES = (((12, (32, 32, 2, 2, 1)), (0, (32, 16, 2, 1, 2))) if SIM else
+            ((64, (128, 128, 4, 4, 1)), (0, (128, 64, 4, 2, 2))))
 
 I2F_MAGIC = 0x4B400000           # float32 1.5 * 2^23: an int below 2^22 added to its mantissa
 F_MAGIC = f32(12582912.0)
@@ -95,7 +100,7 @@ def i2f(c):
 #  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
 # Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
 
-def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=None):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     BSIZE, BVALS = t_.size, t_.block        # bytes and values of a GGUF block of the type
@@ -118,10 +123,11 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
     NX = TT // JSTEP                       # x words a thread loads a K step
     SSTEP = NTH // KB                      # slots apart of a thread's x scales
     NSX = (TT + SSTEP - 1) // SSTEP
+    min_blocks = min_blocks or MIN_BLOCKS
     assert NTH % UQ == 0 and TM % RSTEP == 0 and NTH % KW == 0 and TT % JSTEP == 0
 
     def build():
-        @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, MIN_BLOCKS))))
+        @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, min_blocks))))
         def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
@@ -288,7 +294,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False):
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e] + b)
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, MIN_BLOCKS, gather, split_k), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
@@ -315,15 +321,24 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
     sum_splits(out, part, Z, stream)
 
 
+def id_tiles(T, E, A):
+    """(TM, TT, WM, WT, blocks an SM) of mul_mat_id's tiles for T tokens choosing A of E experts."""
+    for least, tile in ID_TILES:
+        if T * A >= least * E:
+            return tile
+    return ID_TILES[-1][1]
+
+
 def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, bias=None):
     """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0] (+ the
-    expert's row of bias, flat [E * M]), the pairs grouped by expert in tiles of TT_ID slots
+    expert's row of bias, flat [E * M]), the pairs grouped by expert in id_tiles' tiles
     (matmul_tiled.group_by_expert)."""
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
-    order, tiles, n_tiles = group_by_expert(ids, E, TT_ID, stream, grouped)
-    kern, nth = _mma_kernel(qtype, TM, TT_ID, WM, WT, KB, True)
-    kern[((M + TM - 1) // TM, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X,
+    tm, tt, wm, wt, min_blocks = id_tiles(T, E, A)
+    order, tiles, n_tiles = group_by_expert(ids, E, tt, stream, grouped)
+    kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks)
+    kern[((M + tm - 1) // tm, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X,
                                                     K // 32, or_empty(bias))
