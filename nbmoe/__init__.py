@@ -23,11 +23,12 @@ if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & set(os.envi
 def _kernel_cache_dir():
     """Numba checks only a cached function's own file, so an edited helper module (a block
     decoder called by matmul) would leave stale machine code in use; nor does its key see
-    compile flags. So the on-disk cache lives in a folder named by a hash of every kernel
-    source and those flags: any change starts a fresh one."""
+    compile flags (NUMBA_OPT included). So the on-disk cache lives in a folder named by a hash
+    of every kernel source and those flags: any change starts a fresh one."""
     from nbmoe.config import KERNEL_KEY, cache_dir
     here = os.path.dirname(__file__)
-    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} {KERNEL_KEY}".encode())
+    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} opt={numba.config.OPT} {KERNEL_KEY}"
+                     .encode())
     # load_order.py too: its record of which kernels compiled must describe this cache
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
