@@ -27,8 +27,8 @@ def _kernel_cache_dir():
     of every kernel source and those flags: any change starts a fresh one."""
     from nbmoe.config import KERNEL_KEY, cache_dir
     here = os.path.dirname(__file__)
-    h = hashlib.sha1(f"{numba.__version__} slp={numba.config.SLP_VECTORIZE} opt={numba.config.OPT} {KERNEL_KEY}"
-                     .encode())
+    flags = f"slp={numba.config.SLP_VECTORIZE} opt={numba.config.OPT}"
+    h = hashlib.sha1(f"{numba.__version__} {flags} {KERNEL_KEY}".encode())
     # load_order.py too: its record of which kernels compiled must describe this cache
     for path in sorted(glob.glob(os.path.join(here, "cpu", "*.py"))) + [os.path.join(here, "load_order.py")]:
         with open(path, "rb") as f:
