@@ -36,7 +36,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from nbmoe.cuda import matmul_mma as mm  # noqa: E402
 
 SIG = (types.float32[:, ::1], types.uint8[:, ::1], types.int32[::1], types.float32[::1], types.int64,
-       types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64, types.int64)
+       types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64, types.int64,
+       types.float32[::1])                                                       # (the bias)
 SIG_ID = (types.float32[:, :, ::1],) + SIG[1:]
 
 
@@ -62,16 +63,16 @@ def main():
         mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
         mm.ID_TILES = ((0, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)),)
     bad = 0
+    tiles = [(False, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS))] + [(True, t) for _, t in mm.ID_TILES]
     for name in a.types.split(","):
-        for gather in (False, True):
-            tm, tt, wm, wt, mb = mm.ID_TILES[-1][1] if gather else (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)
+        for gather, (tm, tt, wm, wt, mb) in tiles:
             kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
-            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}.ptx")
+            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}_{tm}x{tt}.ptx")
             ok, info = assemble(ptx, path, a.ptxas, a.cuobjdump)
-            print(f"{name:6s} {'id   ' if gather else 'plain'} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
+            print(f"{name:6s} {'id   ' if gather else 'plain'} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
                   f"{'OK' if ok else 'FAILED'} {info}", flush=True)
             bad += not ok
     sys.exit(1 if bad else 0)

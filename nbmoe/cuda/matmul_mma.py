@@ -322,11 +322,9 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
 
 
 def id_tiles(T, E, A):
-    """(TM, TT, WM, WT, blocks an SM) of mul_mat_id's tiles for T tokens choosing A of E experts."""
-    for least, tile in ID_TILES:
-        if T * A >= least * E:
-            return tile
-    return ID_TILES[-1][1]
+    """(TM, TT, WM, WT, blocks an SM) of mul_mat_id's tiles for T tokens choosing A of E experts
+    (ID_TILES' last row asks for 0 pairs)."""
+    return next(tile for least, tile in ID_TILES if T * A >= least * E)
 
 
 def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, bias=None):
