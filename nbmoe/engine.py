@@ -89,8 +89,8 @@ class LLM:
         set_blas_threads(1)      # numpy's BLAS threads would spin on Numba's cores (cpu/blas.py)
         auto = str(zero_copy_experts) == "auto"
         split = self._split_layers()
-        self.gpu_slots = self._zero_copy_layers(
-            split, round(config.ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts), auto)
+        n_zc = round(config.ZERO_COPY_SHARE * self.cfg.n_expert_used) if auto else int(zero_copy_experts)
+        self.gpu_slots = self._zero_copy_layers(split, n_zc, auto)
         # -rtr: RAM-resident Q4_0 / Q4_1 / Q8_0 / Q4_K / IQ4_* / MXFP4 matrices rewritten for the
         # CPU kernels (repack.py)
         self.repacked, self.repack_stats = {}, None
@@ -182,8 +182,8 @@ class LLM:
         return {il: v for il, v in layers.items() if v[1] > 0}
 
     def _shared_ahead_layers(self, split):
-        """The split layers (`split`, _split_layers) whose shared experts live on the routing GPU: for one-token
-        batches that GPU computes them while the CPU computes the routed experts."""
+        """The split layers (`split`, _split_layers) whose shared experts live on the routing
+        GPU: for one-token batches that GPU computes them while the CPU computes the routed experts."""
         if not self.cfg.n_shared_expert:
             return frozenset()
         return frozenset(il for il, gpu in split.items()

@@ -135,8 +135,9 @@ def test_mul_mat_id_mma(name, X, biased, wide, tiles, monkeypatch):
     + the chosen expert's bias row."""
     E, M, A, T, K = 4, 20, 2, 11, _k(name)
     if wide:
-        monkeypatch.setattr(matmul_mma, "ID_TILES", ((6, (16, 32, 1, 2, 4)), (5, (32, 16, 2, 2, 1)), (0, (32, 8, 2, 1, 2))))
-        assert matmul_mma.id_tiles(T, E, A) == (32, 16, 2, 2, 1)        # 22 pairs over 4 experts: 5.5 each
+        table = ((6, (16, 32, 1, 2, 4)), (5, (32, 16, 2, 2, 1)), (0, (32, 8, 2, 1, 2)))
+        monkeypatch.setattr(matmul_mma, "ID_TILES", table)
+        assert matmul_mma.id_tiles(T, E, A) == (32, 16, 2, 2, 1)   # 22 pairs over 4 experts: 5.5 each
     w, wref = _weights((E, M), name, seed=3, K=K)
     ids = np.array([[1, 0], [2, 1], [1, 0], [0, 1], [1, 2], [2, 1], [1, 0], [0, 2], [1, 2], [2, 1], [0, 2]],
                    np.int32)
