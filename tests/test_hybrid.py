@@ -346,11 +346,11 @@ def test_offloaded_experts_match_cpu(whole, monkeypatch, prefetch):
     (threshold patched from 32 rows to 1, so 2 tokens are enough in the simulator; the output
     layer's offload switched off: test_merge_up_gate_cuda.py runs it; the simulator runs the
     chosen-only uploads in test_upload_all_experts). With prefetch (pairs per expert patched
-    down to 1) every expert tensor is uploaded whole on the copy stream, double-buffered: 3
-    tensors a layer through 2 slots, so slots are reused."""
-    from nbmoe.backends import cuda as backend_cuda
+    down to 1) every expert tensor is uploaded whole ahead on the copy stream (3 tensors a
+    layer through expert_uploads.SLOTS slots, reused)."""
+    from nbmoe.backends import expert_uploads
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)
-    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 1 if prefetch else 10**6)
+    monkeypatch.setattr(expert_uploads, "START_WHOLE_PAIRS", 1 if prefetch else 10**6)
     model = whole
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"] + ATTN_ON_CPU,
                offload_policy="MUL_MAT,0")
@@ -411,9 +411,9 @@ def test_upload_all_experts(tiny_model, monkeypatch):
     """--upload-all-experts: an offloaded expert product uploads whole tensors, not only the
     chosen experts; on a skewed router (half the experts never chosen) that is more bytes
     for the same logits, the CPU engine's."""
-    from nbmoe.backends import cuda as backend_cuda
+    from nbmoe.backends import expert_uploads
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)      # experts offloaded from 2 rows
-    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 10**6)
+    monkeypatch.setattr(expert_uploads, "START_WHOLE_PAIRS", 10**6)
     skewed = tiny_model(**{**MOE, "n_layer": 1}, types=[("exps", "Q4_0")], default_type="Q8_0",
                         router_skew=0.5)
     ids, out = [3, 44], {}

@@ -73,9 +73,9 @@ def test_offloaded_merged_experts(model, monkeypatch, small):
     """A batch over the expert threshold (patched to 1 row: 2 tokens): the merged experts the
     router chose are uploaded (their gate and up rows together) and run on the GPU, and so is
     the output layer (in RAM in the simulator: its offload is checked here)."""
-    from nbmoe.backends import cuda as backend_cuda
+    from nbmoe.backends import expert_uploads
     monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)
-    monkeypatch.setattr(backend_cuda, "PREFETCH_PAIRS_PER_EXPERT", 10**6)
+    monkeypatch.setattr(expert_uploads, "START_WHOLE_PAIRS", 10**6)
     llm = load(model, n_gpu_layers=99, override_tensors=["exps=CPU"])
     ids = [3, 44]
     nodes = llm.plan(2, 2).graph.nodes

@@ -3,10 +3,9 @@ those that save launches (8-bit x handed on, fused groups) are in cuda_fusion.py
 
 Weights placed on a GPU are uploaded once at load. A matrix op whose weight lives in RAM but
 which the scheduler offloaded here (cause `off`, large batches) uploads the weight before
-each run into a scratch buffer; for expert products only the experts the router chose are
-uploaded (their ids come to the host first, a few bytes), unless the batch makes them all
-likely chosen or --upload-all-experts asks for whole tensors (PrefetchChain); uploaded_bytes
-counts what went up. PCIe runs several times faster
+each run into a scratch buffer; expert products upload the experts the router is expected
+to choose ahead, on a copy stream, and the ones it chose beyond them after it
+(expert_uploads.py); uploaded_bytes counts what went up. PCIe runs several times faster
 from page-locked than from pageable memory, so on first use the span of the file mapping
 that holds the RAM-resident matrices is page-locked in place (cuda/host_memory.py): uploads
 then read the file's own pages at pinned speed, with no second copy in RAM. Where the driver
@@ -30,6 +29,7 @@ import numpy as np
 from nbmoe import config, progress
 from nbmoe.backends.cpu import Backend
 from nbmoe.backends.cuda_fusion import FusionBinders
+from nbmoe.backends.expert_uploads import ExpertUploads
 from nbmoe.errors import NbmoeError
 
 
@@ -73,71 +73,6 @@ def device_names():
         return [f"CUDA{i}" for i in range(len(cuda.gpus))]
     except Exception:   # numba-cuda missing or no driver: a CPU-only machine
         return []
-
-
-# Offloaded expert products with at least this many (token, expert) pairs per expert upload
-# every expert of the tensor, without waiting for the router (at 4 pairs per expert, an expert
-# goes unchosen with probability ~e^-4 when the router spreads the tokens), double-buffered
-# on a copy stream so that the next tensor's upload overlaps this one's product.
-PREFETCH_PAIRS_PER_EXPERT = 4
-
-
-class PrefetchChain:
-    """The offloaded expert tensors of one plan, in run order, uploaded whole through two
-    device slots: the copy stream fills slot i % 2 with tensor i while the compute stream
-    works on tensor i - 1 from the other slot. Events order the two streams: a product waits
-    for its upload; an upload waits until the product that last used its slot is done."""
-
-    def __init__(self, backend):
-        cuda = backend.cuda
-        self.backend, self.hosts, self.slot_bytes = backend, [], 0
-        backend.activate()      # streams and events belong to the context current when made
-        self.copy_stream = cuda.stream()
-        self.uploaded = []                           # per tensor: its upload's event
-        self.freed = [cuda.event(), cuda.event()]    # per slot: its last product's event
-        self.slots = None
-
-    def add(self, host):
-        self.hosts.append(host)
-        self.uploaded.append(self.backend.cuda.event())
-        self.slot_bytes = max(self.slot_bytes, host.nbytes)
-        return len(self.hosts) - 1
-
-    def _upload(self, i):
-        if self.slots is None:
-            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(2)]
-            for ev in self.freed:
-                ev.record(self.backend.stream)
-        host, slot = self.hosts[i], self.slots[i % 2]
-        self.freed[i % 2].wait(self.copy_stream)
-        slot[:host.nbytes].copy_to_device(host.reshape(-1), stream=self.copy_stream)
-        self.uploaded[i].record(self.copy_stream)
-        self.backend.prefetched_uploads += 1
-        self.backend.uploaded_bytes += host.nbytes
-
-    def wait(self, i):
-        """The device copy of tensor i, once the compute stream has waited for its upload."""
-        if i == 0:                                   # a new run of the plan: start both slots
-            self._upload(0)
-            if len(self.hosts) > 1:
-                self._upload(1)
-        self.uploaded[i].wait(self.backend.stream)
-        host = self.hosts[i]
-        return self.slots[i % 2][:host.nbytes].reshape(host.shape)
-
-    def done(self, i):
-        """Tensor i's product is queued: its slot takes tensor i + 2 once that product ran."""
-        self.freed[i % 2].record(self.backend.stream)
-        if i + 2 < len(self.hosts):
-            self._upload(i + 2)
-
-
-def _runs(sorted_ids):
-    """[(j, a, b)]: sorted_ids[j:j + b - a] == range(a, b), maximal runs of consecutive ids."""
-    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(sorted_ids)]))
-    return [(int(j), int(sorted_ids[j]), int(sorted_ids[k - 1]) + 1) for j, k in zip(starts, ends)]
 
 
 class _OnStream:
@@ -189,7 +124,8 @@ class CUDABackend(FusionBinders, Backend):
         self.vectors = {}
         self.pinned = {}
         self.scratch = {}
-        self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (PrefetchChain)
+        self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (ExpertUploads)
+        self.last_uploaded = 0          # experts on the GPU for the last offloaded product
         self.uploaded_bytes = 0         # RAM weight bytes uploaded for offloaded products
         self.pin = config.PIN
         with progress.task(f"uploading weights to {name}", sum(tensors[n].n_bytes for n in resident)) as advance:
@@ -395,35 +331,17 @@ class CUDABackend(FusionBinders, Backend):
         self._grouping = None                  # its mul_mat_id groups the pairs itself
         t = self.tensors[node.weight]
         host = self.host_copy(node.weight)                         # [E, M, row_bytes]
-        qtype, mm, cuda = int(t.ggml_type), self.mm, self.cuda
+        qtype, mm = int(t.ggml_type), self.mm
         out, x, ids = buf[node.out], buf[node.srcs[0]], buf[node.srcs[1]]
         if len(x.shape) == 2:
             x = x.reshape(x.shape[0], 1, x.shape[1])
-        if self.upload_all or ids.shape[0] * ids.shape[1] >= PREFETCH_PAIRS_PER_EXPERT * host.shape[0]:
-            # every expert is (almost surely) chosen, or --upload-all-experts: upload them
-            # all, ahead of time
-            chain = getattr(buf, "prefetch_chain", None)      # one chain per plan
-            if chain is None:
-                chain = buf.prefetch_chain = PrefetchChain(self)
-            i = chain.add(host)
-
-            def run_prefetched():
-                w = chain.wait(i)
-                mm.mul_mat_id(out, w, x, ids, qtype)
-                chain.done(i)
-            return run_prefetched
-        w_all = self.scratch_buffer("mul_mat_id", host.shape)
-        local_ids = self.alloc(ids.shape, np.int32)
-        ids_host = cuda.pinned_array(ids.shape, np.int32)
-        self.last_uploaded = 0
+        uploads = getattr(buf, "expert_uploads", None)      # one per plan
+        if uploads is None:
+            uploads = buf.expert_uploads = ExpertUploads(self, self.upload_all)
+        i = uploads.add(host, ids, ids.size, node.weight.split(".")[1])
 
         def run():
-            ids.copy_to_host(ids_host)                             # waits for the router
-            used = np.unique(ids_host)                             # upload only chosen experts
-            for j, a, b in _runs(used):                            # consecutive ids: one copy
-                w_all[j:j + b - a].copy_to_device(host[a:b])
-                self.uploaded_bytes += host[a:b].nbytes
-            local_ids.copy_to_device(np.searchsorted(used, ids_host).astype(np.int32))
-            self.last_uploaded = len(used)
-            mm.mul_mat_id(out, w_all[:len(used)], x, local_ids, qtype)
+            w = uploads.wait(i)
+            mm.mul_mat_id(out, w, x, ids, qtype)
+            uploads.done(i)
         return run

@@ -1,0 +1,82 @@
+"""Offloaded expert uploads (backends/expert_uploads.py) over several runs of one plan: each
+product finds every expert its router chose byte for byte in its device copy, whatever the
+upload held ahead, and the bytes uploaded follow the router's choices."""
+import numpy as np
+import pytest
+
+from tests import cuda_setup  # noqa: F401  (the simulator unless NBMOE_REAL_GPU=1)
+
+from nbmoe.backends import expert_uploads
+from nbmoe.backends.cuda import CUDABackend
+
+E, M, ROW = 8, 3, 16           # experts, rows an expert, bytes a row
+LAYERS, T, A = 3, 4, 2          # three tensors a layer (gate, up, down) share a layer's ids
+
+
+def run_plan(uploads, ids_dev, choices, hosts):
+    """One run: per layer, write its ids (the router), then its three products check their
+    device copy; returns the experts each product found."""
+    found = []
+    for i, host in enumerate(hosts):
+        layer = i // 3
+        if i % 3 == 0:
+            ids_dev.copy_to_device(choices[layer])        # this layer's router ran
+        dev = uploads.wait(i).copy_to_host()
+        chosen = np.unique(choices[layer])
+        assert np.array_equal(dev[chosen], host[chosen]), (i, chosen)
+        uploads.done(i)
+        found.append(chosen)
+    return found
+
+
+@pytest.mark.parametrize("start_whole", [False, True])
+def test_chosen_experts_arrive_in_place(monkeypatch, start_whole):
+    monkeypatch.setattr(expert_uploads, "SLOTS", 4)     # 9 tensors through 4 slots: reused
+    be = CUDABackend("CUDA0", {}, [])
+    rng = np.random.default_rng(1)
+    hosts = [rng.integers(0, 256, (E, M, ROW), dtype=np.uint8) for _ in range(3 * LAYERS)]
+    ids_dev = be.alloc((T, A), np.int32)
+    uploads = expert_uploads.ExpertUploads(be)
+    pairs = T * A if not start_whole else expert_uploads.START_WHOLE_PAIRS * E
+    for i, h in enumerate(hosts):
+        assert uploads.add(h, ids_dev, pairs, f"{i // 3}") == i
+    per_expert = M * ROW
+    skewed = [rng.choice(4, (T, A)).astype(np.int32) for _ in range(LAYERS)]   # experts 0-3
+    spread = [np.arange(T * A, dtype=np.int32).reshape(T, A) % E for _ in range(LAYERS)]
+
+    before = be.uploaded_bytes
+    run_plan(uploads, ids_dev, skewed, hosts)
+    first = be.uploaded_bytes - before
+    n_chosen = sum(3 * len(np.unique(c)) for c in skewed)
+    assert first == (3 * LAYERS * E if start_whole else n_chosen) * per_expert
+
+    # the second run holds what each layer chose in the first, and adds what it missed
+    shifted = [np.where(c == 0, 5, c).astype(np.int32) for c in skewed]    # expert 5 new
+    before = be.uploaded_bytes
+    run_plan(uploads, ids_dev, shifted, hosts)
+    held = sum(3 * len(np.unique(c)) for c in skewed)
+    missed = sum(3 * len(np.setdiff1d(np.unique(s), np.unique(c))) for s, c in zip(shifted, skewed))
+    assert be.uploaded_bytes - before == (held + missed) * per_expert
+
+    # every expert chosen: the next run uploads whole tensors ahead, without reading the router
+    run_plan(uploads, ids_dev, spread, hosts)
+    whole_before = be.prefetched_uploads
+    run_plan(uploads, ids_dev, spread, hosts)
+    assert be.prefetched_uploads - whole_before == 3 * LAYERS
+    assert be.last_uploaded == E
+
+
+def test_upload_all_never_reads_the_router():
+    be = CUDABackend("CUDA0", {}, [])
+    host = np.arange(E * M * ROW, dtype=np.uint8).reshape(E, M, ROW)
+    ids_dev = be.alloc((T, A), np.int32)
+    uploads = expert_uploads.ExpertUploads(be, upload_all=True)
+    uploads.add(host, ids_dev, 1, "0")
+    assert np.array_equal(uploads.wait(0).copy_to_host(), host)
+    uploads.done(0)
+    assert uploads.choices["0"].run == -1 and be.uploaded_bytes == host.nbytes
+
+
+def test_id_runs():
+    assert expert_uploads.id_runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 6), (7, 9)]
+    assert expert_uploads.id_runs(np.array([], np.int64)) == []
