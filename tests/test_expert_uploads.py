@@ -10,7 +10,7 @@ from nbmoe.backends import expert_uploads
 from nbmoe.backends.cuda import CUDABackend
 
 E, M, ROW = 8, 3, 16           # experts, rows an expert, bytes a row
-LAYERS, T, A = 3, 4, 2          # three tensors a layer (gate, up, down) share a layer's ids
+LAYERS, T, A = 2, 4, 2          # three tensors a layer (gate, up, down) share a layer's ids
 
 
 def run_plan(uploads, ids_dev, choices, hosts):
@@ -30,40 +30,47 @@ def run_plan(uploads, ids_dev, choices, hosts):
 
 
 @pytest.mark.parametrize("start_whole", [False, True])
-def test_chosen_experts_arrive_in_place(monkeypatch, start_whole):
-    monkeypatch.setattr(expert_uploads, "SLOTS", 4)     # 9 tensors through 4 slots: reused
+@pytest.mark.parametrize("by_kernel", [False, True])
+def test_chosen_experts_arrive_in_place(monkeypatch, start_whole, by_kernel):
+    monkeypatch.setattr(expert_uploads, "MAX_SLOTS", 4)     # 6 tensors through 4 slots: reused
     be = CUDABackend("CUDA0", {}, [])
     rng = np.random.default_rng(1)
-    hosts = [rng.integers(0, 256, (E, M, ROW), dtype=np.uint8) for _ in range(3 * LAYERS)]
+    hosts, views = [], []
+    for _ in range(3 * LAYERS):          # page-locked host memory the GPU can read
+        host, view = be.mapped_alloc((E, M, ROW), np.uint8)
+        host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+        hosts.append(host)
+        views.append(view if by_kernel else None)
     ids_dev = be.alloc((T, A), np.int32)
     uploads = expert_uploads.ExpertUploads(be)
     pairs = T * A if not start_whole else expert_uploads.START_WHOLE_PAIRS * E
-    for i, h in enumerate(hosts):
-        assert uploads.add(h, ids_dev, pairs, f"{i // 3}") == i
+    for i, (h, v) in enumerate(zip(hosts, views)):
+        assert uploads.add(h, ids_dev, pairs, f"{i // 3}", v) == i
+    assert uploads.n_slots == 4
     per_expert = M * ROW
     skewed = [rng.choice(4, (T, A)).astype(np.int32) for _ in range(LAYERS)]   # experts 0-3
     spread = [np.arange(T * A, dtype=np.int32).reshape(T, A) % E for _ in range(LAYERS)]
 
-    before = be.uploaded_bytes
-    run_plan(uploads, ids_dev, skewed, hosts)
-    first = be.uploaded_bytes - before
-    n_chosen = sum(3 * len(np.unique(c)) for c in skewed)
-    assert first == (3 * LAYERS * E if start_whole else n_chosen) * per_expert
+    def bytes_of(choices):
+        before = uploads.settled().bytes
+        run_plan(uploads, ids_dev, choices, hosts)
+        return uploads.settled().bytes - before
 
+    n_chosen = sum(3 * len(np.unique(c)) for c in skewed)
+    assert bytes_of(skewed) == (3 * LAYERS * E if start_whole else n_chosen) * per_expert
     # the second run holds what each layer chose in the first, and adds what it missed
     shifted = [np.where(c == 0, 5, c).astype(np.int32) for c in skewed]    # expert 5 new
-    before = be.uploaded_bytes
-    run_plan(uploads, ids_dev, shifted, hosts)
-    held = sum(3 * len(np.unique(c)) for c in skewed)
     missed = sum(3 * len(np.setdiff1d(np.unique(s), np.unique(c))) for s, c in zip(shifted, skewed))
-    assert be.uploaded_bytes - before == (held + missed) * per_expert
-
-    # every expert chosen: the next run uploads whole tensors ahead, without reading the router
+    assert bytes_of(shifted) == (n_chosen + missed) * per_expert
+    # the third holds what the last two runs chose
+    both = sum(3 * len(np.union1d(s, c)) for s, c in zip(shifted, skewed))
+    assert bytes_of(skewed) == both * per_expert
+    # every expert chosen: the next run uploads whole tensors ahead, without completing them
     run_plan(uploads, ids_dev, spread, hosts)
-    whole_before = be.prefetched_uploads
-    run_plan(uploads, ids_dev, spread, hosts)
-    assert be.prefetched_uploads - whole_before == 3 * LAYERS
-    assert be.last_uploaded == E
+    whole_before = uploads.whole
+    assert bytes_of(spread) == 3 * LAYERS * E * per_expert
+    assert uploads.whole - whole_before == 3 * LAYERS
+    assert uploads.settled().last == E
 
 
 def test_upload_all_never_reads_the_router():
@@ -74,7 +81,7 @@ def test_upload_all_never_reads_the_router():
     uploads.add(host, ids_dev, 1, "0")
     assert np.array_equal(uploads.wait(0).copy_to_host(), host)
     uploads.done(0)
-    assert uploads.choices["0"].run == -1 and be.uploaded_bytes == host.nbytes
+    assert uploads.choices["0"].run == -1 and uploads.settled().bytes == host.nbytes
 
 
 def test_id_runs():

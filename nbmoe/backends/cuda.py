@@ -99,7 +99,7 @@ class CUDABackend(FusionBinders, Backend):
         self.upload_all = upload_all    # --upload-all-experts: offloaded experts go up whole
         from numba import cuda
 
-        from nbmoe.cuda import SIM, attention, fused, graphs, matmul, mla, moe, norm_rope, ops, x8
+        from nbmoe.cuda import SIM, attention, expert_fill, fused, graphs, matmul, mla, moe, norm_rope, ops, x8
         self.sim = SIM
         self.cuda, self.name, self.graphs = cuda, name, graphs
         self.device = _device_index(name)
@@ -116,7 +116,7 @@ class CUDABackend(FusionBinders, Backend):
         self.stream = cuda.stream()
         self.mm, self.ops, self.attn, self.moe, self.fused, self.norm_rope, self.x8 = (
             _OnStream(m, self.stream) for m in (matmul, ops, attention, moe, fused, norm_rope, x8))
-        self.mla = _OnStream(mla, self.stream)
+        self.mla, self.fill = _OnStream(mla, self.stream), _OnStream(expert_fill, self.stream)
         self.resident = {}
         # RAM-resident matrices (uploaded when offloaded), those of them the GPU reads in place
         self.in_ram, self.zero_copy, self.zero_copy_views = set(in_ram) | set(zero_copy), set(zero_copy), {}
@@ -124,9 +124,9 @@ class CUDABackend(FusionBinders, Backend):
         self.vectors = {}
         self.pinned = {}
         self.scratch = {}
-        self.prefetched_uploads = 0     # whole expert tensors uploaded ahead (ExpertUploads)
-        self.last_uploaded = 0          # experts on the GPU for the last offloaded product
-        self.uploaded_bytes = 0         # RAM weight bytes uploaded for offloaded products
+        self.expert_uploads = []        # per plan with offloaded expert products: ExpertUploads
+        self.last_expert_uploads = None     # the one that ran last
+        self.mul_mat_uploaded = 0       # RAM weight bytes uploaded for offloaded MUL_MATs
         self.pin = config.PIN
         with progress.task(f"uploading weights to {name}", sum(tensors[n].n_bytes for n in resident)) as advance:
             for n in resident:
@@ -260,12 +260,8 @@ class CUDABackend(FusionBinders, Backend):
             return self.resident[name], int(t.ggml_type)
         if name not in self.zero_copy:
             raise KeyError(f"{name} is neither on {self.name} nor readable in place")
-        if name not in self.zero_copy_views:
-            from nbmoe.cuda import host_memory
-            self.lock_ram()
-            self.activate()
-            self.zero_copy_views[name] = host_memory.device_view(t.data)
-        return self.zero_copy_views[name], int(t.ggml_type)
+        self.lock_ram()
+        return self.mapped_view(name), int(t.ggml_type)
 
     def lock_ram(self):
         """Page-lock the span of the file mapping that holds the RAM-resident matrices (once;
@@ -275,6 +271,31 @@ class CUDABackend(FusionBinders, Backend):
             self.ram_locked = False
             host_memory.register_span([self.tensors[n].data for n in sorted(self.in_ram)])
             self.ram_locked = True
+
+    def mapped_view(self, name):
+        """The RAM-resident weight as this GPU reads it in place (the locked file mapping)."""
+        if name not in self.zero_copy_views:
+            from nbmoe.cuda import host_memory
+            self.activate()
+            self.zero_copy_views[name] = host_memory.device_view(self.tensors[name].data)
+        return self.zero_copy_views[name]
+
+    # Offloaded products' uploads, for tests and tools (the expert ones' counted once settled)
+    @property
+    def uploaded_bytes(self):
+        """RAM weight bytes uploaded for offloaded products."""
+        return self.mul_mat_uploaded + sum(u.settled().bytes for u in self.expert_uploads)
+
+    @property
+    def prefetched_uploads(self):
+        """Expert tensors uploaded whole, ahead of their products."""
+        return sum(u.whole for u in self.expert_uploads)
+
+    @property
+    def last_uploaded(self):
+        """Experts on the GPU for the last offloaded expert product."""
+        u = self.last_expert_uploads
+        return u.settled().last if u is not None else 0
 
     def vector(self, name):
         self.activate()
@@ -321,7 +342,7 @@ class CUDABackend(FusionBinders, Backend):
 
         def run():
             w.copy_to_device(host)
-            self.uploaded_bytes += host.nbytes
+            self.mul_mat_uploaded += host.nbytes
             mm.mul_mat(out, w, x, qtype)
         return run
 
@@ -338,7 +359,9 @@ class CUDABackend(FusionBinders, Backend):
         uploads = getattr(buf, "expert_uploads", None)      # one per plan
         if uploads is None:
             uploads = buf.expert_uploads = ExpertUploads(self, self.upload_all)
-        i = uploads.add(host, ids, ids.size, node.weight.split(".")[1])
+            self.expert_uploads.append(uploads)
+        view = self.mapped_view(node.weight) if self.ram_locked and host is t.data else None
+        i = uploads.add(host, ids, ids.size, node.weight.split(".")[1], view)
 
         def run():
             w = uploads.wait(i)

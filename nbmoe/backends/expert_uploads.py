@@ -1,34 +1,35 @@
 """Uploads of offloaded expert tensors (weights in RAM, product on a GPU) for a prompt batch.
 
-A plan's offloaded expert products, in run order, go through SLOTS device buffers of a
-whole tensor each: tensor i fills slot i % SLOTS on a copy stream while the compute stream
-works on the tensors before it, so the link keeps uploading while the GPU computes. Events
-order the two streams: a product waits for its upload; an upload waits until the product
-that last used its slot is done.
+A plan's offloaded expert products, in run order, go through device slots of a whole tensor
+each: tensor i fills slot i % n_slots on a copy stream while the compute stream works on the
+tensors before it, so the link keeps uploading while the GPU computes. Events order the two
+streams: a product waits for its upload; an upload waits until the product that last used
+its slot is done.
 
 Which experts an upload holds, before the router has chosen:
   all of them, on the plan's first run when the batch gives each expert at least
   START_WHOLE_PAIRS (token, expert) pairs (a spread router then chooses nearly all), and
   after any run whose router chose at least WHOLE_SHARE of them;
-  else the experts the router chose for that layer in the plan's previous run (none on a
-  first run), whose choice of a layer changes little from batch to batch (trained routers
-  and random ones alike favour some experts).
-Unless an upload held every expert, the host reads the layer's choice (once for its gate,
-up and down) and uploads the chosen experts the upload missed on the compute stream, before
-the product. Experts keep their place in the slot, so the products read the router's ids as
-they are. --upload-all-experts: every upload whole, the router never read.
+  else the experts the router chose for that layer in the plan's last two runs (none on a
+  first run): a layer's choice changes little from batch to batch (trained routers and random
+  ones alike favour some experts).
+Unless an upload held every expert, the chosen experts it lacks are copied in before the
+product: by a kernel reading them from the mapped file (cuda/expert_fill.py), queued with
+the products, so the host never waits for the router; where the file is not mapped for the
+GPU, the host reads the layer's choice (once for its gate, up and down) and uploads them on
+the compute stream. Experts keep their place in the slot, so the products read the router's
+ids as they are. --upload-all-experts: every upload whole.
 """
 import numpy as np
 
 # A first run uploads whole tensors from this many (token, expert) pairs per expert (at 4, an
 # expert of a spread router goes unchosen with probability ~e^-4).
 START_WHOLE_PAIRS = 4
-# A layer whose router chose at least this share of the experts uploads whole tensors next run
-# (no wait for the router).
+# A layer whose router chose at least this share of the experts uploads whole tensors next run.
 WHOLE_SHARE = 0.9
-# Device slots, each the size of the largest offloaded expert tensor: uploads run up to
-# SLOTS - 1 tensors ahead of the products.
-SLOTS = 4
+# Device slots (uploads run up to n_slots - 1 tensors ahead of the products): as many as fit
+# in SLOT_BYTES, between MIN_SLOTS and MAX_SLOTS.
+MIN_SLOTS, MAX_SLOTS, SLOT_BYTES = 2, 8, 2 << 30
 
 
 def id_runs(sorted_ids):
@@ -48,11 +49,13 @@ class _Choice:
     def __init__(self, backend, ids):
         self.ids, self.host = ids, backend.cuda.pinned_array(ids.shape, ids.dtype)
         self.copied = backend.cuda.event()
-        self.run, self.chosen = -1, None
+        self.run, self.chosen, self.before = -1, None, None
 
     def fetch(self, stream, run):
         """Queue the copy of this run's choice (after the router, on the compute stream)."""
         if self.run != run:
+            if self.chosen is not None or self.run >= 0:
+                self.before = self.experts()
             self.ids.copy_to_host(self.host, stream=stream)
             self.copied.record(stream)
             self.run, self.chosen = run, None
@@ -64,6 +67,22 @@ class _Choice:
             self.chosen = np.unique(self.host)
         return self.chosen
 
+    def recent(self):
+        """The experts chosen in the last two runs fetched."""
+        now = self.experts()
+        return now if self.before is None else np.union1d(now, self.before)
+
+
+class _Tensor:
+    """An offloaded expert tensor: host [E, M, row_bytes], its layer's choice, the experts its
+    upload holds (None: all), and for the kernel that completes it the file's mapping as the
+    GPU sees it and a held mask per run parity (mapped host memory)."""
+
+    def __init__(self, host, choice, held, view):
+        self.host, self.choice, self.held, self.view = host, choice, held, view
+        self.masks = None          # [(host, device)] for runs of even, odd number
+        self.pending = None        # (held, run) of a completed upload whose choice is unread
+
 
 class ExpertUploads:
     """The offloaded expert tensors of one plan (see the module docstring)."""
@@ -73,51 +92,57 @@ class ExpertUploads:
         self.backend, self.upload_all = backend, upload_all
         backend.activate()      # streams and events belong to the context current when made
         self.copy_stream = cuda.stream()
-        self.tensors = []       # per tensor: [host array [E, M, row_bytes], _Choice, held]
-        self.uploaded = []      # per tensor: its upload's event
-        self.freed = [cuda.event() for _ in range(SLOTS)]   # per slot: its last product's
+        self.tensors, self.uploaded = [], []    # per tensor: _Tensor, its upload's event
         self.choices = {}       # layer -> _Choice (the layers share one ids buffer)
-        self.slots, self.slot_bytes, self.run = None, 0, 0
+        self.slots, self.freed, self.slot_bytes, self.run = None, None, 0, 0
+        self.bytes = 0          # bytes uploaded (the completing kernels' once settled)
+        self.whole = 0          # uploads that held every expert
+        self.last = 0           # experts on the GPU for the last product (once settled)
 
-    def add(self, host, ids, n_pairs, layer):
-        """Register an expert tensor of `layer` and the ids its product reads; its index."""
-        key = layer
-        if key not in self.choices:
-            self.choices[key] = _Choice(self.backend, ids)
+    def add(self, host, ids, n_pairs, layer, view=None):
+        """Register an expert tensor of `layer` and the ids its product reads (view: host as a
+        device array, for the kernel that completes uploads); its index."""
+        if layer not in self.choices:
+            self.choices[layer] = _Choice(self.backend, ids)
         whole = self.upload_all or n_pairs >= START_WHOLE_PAIRS * host.shape[0]
-        self.tensors.append([host, self.choices[key], None if whole else np.zeros(0, np.int64)])
+        held = None if whole else np.zeros(0, np.int64)
+        self.tensors.append(_Tensor(host, self.choices[layer], held, view))
         self.uploaded.append(self.backend.cuda.event())
         self.slot_bytes = max(self.slot_bytes, host.nbytes)
         return len(self.tensors) - 1
 
+    @property
+    def n_slots(self):
+        fit = SLOT_BYTES // max(self.slot_bytes, 1)
+        return int(min(MAX_SLOTS, len(self.tensors), max(MIN_SLOTS, fit)))
+
     def _device(self, i):
-        host = self.tensors[i][0]
-        return self.slots[i % SLOTS][:host.nbytes].reshape(host.shape)
+        host = self.tensors[i].host
+        return self.slots[i % len(self.slots)][:host.nbytes].reshape(host.shape)
 
     def _upload(self, i):
-        """Queue tensor i's upload: every expert, or those its layer chose last run."""
+        """Queue tensor i's upload: every expert, or those its layer chose recently."""
+        be, t = self.backend, self.tensors[i]
         if self.slots is None:
-            self.slots = [self.backend.alloc((self.slot_bytes,), np.uint8) for _ in range(SLOTS)]
+            self.slots = [be.alloc((self.slot_bytes,), np.uint8) for _ in range(self.n_slots)]
+            self.freed = [be.cuda.event() for _ in self.slots]
             for ev in self.freed:
-                ev.record(self.backend.stream)
-        entry = self.tensors[i]
-        host, choice = entry[0], entry[1]
-        if not self.upload_all and choice.run >= 0:     # a run has shown this layer's choice
-            chosen = choice.experts()
-            entry[2] = None if len(chosen) >= WHOLE_SHARE * host.shape[0] else chosen
-        self.freed[i % SLOTS].wait(self.copy_stream)
-        held = entry[2]
-        runs = [(0, host.shape[0])] if held is None else id_runs(held)
-        self._copy(self._device(i), host, runs, self.copy_stream)
+                ev.record(be.stream)
+        if not self.upload_all and t.choice.run >= 0:     # a run has shown this layer's choice
+            recent = t.choice.recent()
+            t.held = None if len(t.choice.experts()) >= WHOLE_SHARE * t.host.shape[0] else recent
+        slot = i % len(self.slots)
+        self.freed[slot].wait(self.copy_stream)
+        runs = [(0, t.host.shape[0])] if t.held is None else id_runs(t.held)
+        self._copy(self._device(i), t.host, runs, self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
-        if held is None:
-            self.backend.prefetched_uploads += 1
+        if t.held is None:
+            self.whole += 1
 
     def _copy(self, dst, host, runs, stream):
         """dst[a:b] <- host[a:b] for each run (a, b), queued on `stream`, one driver call each."""
         be = self.backend
-        for a, b in runs:
-            be.uploaded_bytes += host[a:b].nbytes
+        self.bytes += sum(b - a for a, b in runs) * host.strides[0]
         if be.sim:
             for a, b in runs:
                 dst[a:b].copy_to_device(host[a:b], stream=stream)
@@ -131,29 +156,63 @@ class ExpertUploads:
             if int(err) != 0:
                 raise RuntimeError(f"CUDA driver: {err!r} uploading experts {a}-{b - 1}")
 
+    def _complete(self, i, dev):
+        """Queue the copy of the chosen experts that tensor i's upload lacks."""
+        be, t = self.backend, self.tensors[i]
+        if t.view is None:                           # the host reads the choice first
+            missing = np.setdiff1d(t.choice.experts(), t.held, assume_unique=True)
+            self._copy(dev, t.host, id_runs(missing), be.stream)
+            self.last = len(t.held) + len(missing)
+            return
+        if t.masks is None:
+            self._make_masks()
+        host_mask, mask = t.masks[self.run % 2]      # run r - 2, its last reader, is done
+        host_mask[:] = 0
+        host_mask[t.held] = 1
+        be.fill.fill_chosen(dev, t.view, t.choice.ids, mask)
+        t.pending = (t.held, self.run)
+
+    def _make_masks(self):
+        """Every tensor's two held masks, in one mapped host buffer."""
+        E = max(t.host.shape[0] for t in self.tensors)
+        host, dev = self.backend.mapped_alloc((len(self.tensors), 2, E), np.int32)
+        for i, t in enumerate(self.tensors):
+            n = t.host.shape[0]
+            t.masks = [(host[i, p, :n], dev[i, p, :n]) for p in range(2)]
+
+    def settled(self):
+        """Self, with the bytes the completing kernels copied counted (their choices read)."""
+        for t in self.tensors:
+            if t.pending is not None and t.pending[1] == t.choice.run:
+                held, t.pending = t.pending[0], None
+                missing = np.setdiff1d(t.choice.experts(), held, assume_unique=True)
+                self.bytes += len(missing) * t.host.strides[0]
+                self.last = len(held) + len(missing)
+        return self
+
     def wait(self, i):
         """The device copy of tensor i ([E, M, row_bytes], the chosen experts in place), once
         the compute stream has waited for its upload."""
-        stream = self.backend.stream
+        be = self.backend
         if i == 0:                                   # a new run of the plan: fill the slots
+            self.settled()
             self.run += 1
-            for j in range(min(SLOTS, len(self.tensors))):
+            for j in range(self.n_slots):
                 self._upload(j)
-        host, choice, held = self.tensors[i]
+        t = self.tensors[i]
         if not self.upload_all:
-            choice.fetch(stream, self.run)
+            t.choice.fetch(be.stream, self.run)
         dev = self._device(i)
-        if held is not None:                         # add the chosen experts it missed
-            missing = np.setdiff1d(choice.experts(), held, assume_unique=True)
-            self._copy(dev, host, id_runs(missing), stream)
-            self.backend.last_uploaded = len(held) + len(missing)
+        self.uploaded[i].wait(be.stream)
+        be.last_expert_uploads = self
+        if t.held is None:
+            self.last = t.host.shape[0]
         else:
-            self.backend.last_uploaded = host.shape[0]
-        self.uploaded[i].wait(stream)
+            self._complete(i, dev)
         return dev
 
     def done(self, i):
-        """Tensor i's product is queued: its slot takes tensor i + SLOTS once that product ran."""
-        self.freed[i % SLOTS].record(self.backend.stream)
-        if i + SLOTS < len(self.tensors):
-            self._upload(i + SLOTS)
+        """Tensor i's product is queued: its slot takes tensor i + n_slots once that product ran."""
+        self.freed[i % len(self.slots)].record(self.backend.stream)
+        if i + len(self.slots) < len(self.tensors):
+            self._upload(i + len(self.slots))
