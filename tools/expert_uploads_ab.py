@@ -6,7 +6,7 @@
 
 Experts in RAM (`-ngl 99 -ot exps=CPU`); pp512 and pp2048 as nbmoe.bench times them (two runs
 to warm up, then three), with the bytes uploaded a micro-batch and the experts the last
-plan's uploads held ahead per layer (-1: the whole tensor). `host` drops the mapped view of
+plan's uploads held ahead per tensor (-1: the whole tensor). `host` drops the mapped view of
 the file, so the chosen experts an upload lacks come from the host after it read the layer's
 choice (backends/expert_uploads.py).
 """
@@ -25,7 +25,10 @@ def main():
     ap.add_argument("-ub", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("--mode", choices=("kernel", "host", "whole"), default="kernel")
+    ap.add_argument("--recent", type=int, default=expert_uploads.RECENT_RUNS,
+                    help="runs whose choices an upload holds (default: %(default)s)")
     a = ap.parse_args()
+    expert_uploads.RECENT_RUNS = a.recent
     if a.mode == "host":
         add = expert_uploads.ExpertUploads.add
         expert_uploads.ExpertUploads.add = lambda self, host, ids, n, layer, view=None: add(
@@ -37,12 +40,15 @@ def main():
     for n in (512, 2048):
         run_pp(llm, n, 2048, rng)
         run_pp(llm, n, 2048, rng)
-        before = gpu.uploaded_bytes
+        before, missed = gpu.uploaded_bytes, gpu.last_expert_uploads.missed_bytes
         ts = [n / run_pp(llm, n, 2048, rng) for _ in range(3)]
-        per_batch = (gpu.uploaded_bytes - before) / 3 / max(1, n // a.ub) / 1e9
+        batches = 3 * max(1, n // a.ub)
+        per_batch = (gpu.uploaded_bytes - before) / batches / 1e9
+        missed = (gpu.last_expert_uploads.missed_bytes - missed) / batches / 1e9
         held = [-1 if t.held is None else len(t.held) for t in gpu.last_expert_uploads.tensors]
-        print(f"ub {a.ub} {a.mode} pp{n}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, "
-              f"{per_batch:.2f} GB uploaded a micro-batch; held ahead, per tensor: {held}")
+        print(f"ub {a.ub} {a.mode} recent {a.recent} pp{n}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, "
+              f"{per_batch:.2f} GB uploaded a micro-batch ({missed:.2f} GB after the router); "
+              f"held ahead, per tensor: {held}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Which experts an upload holds, before the router has chosen:
   all of them, on the plan's first run when the batch gives each expert at least
   START_WHOLE_PAIRS (token, expert) pairs (a spread router then chooses nearly all), and
   after any run whose router chose at least WHOLE_SHARE of them;
-  else the experts the router chose for that layer in the plan's last two runs (none on a
+  else the experts the router chose for that layer in the plan's last RECENT_RUNS runs (none on a
   first run): a layer's choice changes little from batch to batch (trained routers and random
   ones alike favour some experts).
 Unless an upload held every expert, the chosen experts it lacks are copied in before the
@@ -27,6 +27,8 @@ import numpy as np
 START_WHOLE_PAIRS = 4
 # A layer whose router chose at least this share of the experts uploads whole tensors next run.
 WHOLE_SHARE = 0.9
+# An upload holds the experts its layer chose in this many runs before.
+RECENT_RUNS = 2
 # Device slots (uploads run up to n_slots - 1 tensors ahead of the products): as many as fit
 # in SLOT_BYTES, between MIN_SLOTS and MAX_SLOTS.
 MIN_SLOTS, MAX_SLOTS, SLOT_BYTES = 2, 8, 2 << 30
@@ -49,13 +51,13 @@ class _Choice:
     def __init__(self, backend, ids):
         self.ids, self.host = ids, backend.cuda.pinned_array(ids.shape, ids.dtype)
         self.copied = backend.cuda.event()
-        self.run, self.chosen, self.before = -1, None, None
+        self.run, self.chosen, self.before = -1, None, []
 
     def fetch(self, stream, run):
         """Queue the copy of this run's choice (after the router, on the compute stream)."""
         if self.run != run:
-            if self.chosen is not None or self.run >= 0:
-                self.before = self.experts()
+            if self.run >= 0:
+                self.before = ([self.experts()] + self.before)[:RECENT_RUNS - 1]
             self.ids.copy_to_host(self.host, stream=stream)
             self.copied.record(stream)
             self.run, self.chosen = run, None
@@ -68,9 +70,11 @@ class _Choice:
         return self.chosen
 
     def recent(self):
-        """The experts chosen in the last two runs fetched."""
-        now = self.experts()
-        return now if self.before is None else np.union1d(now, self.before)
+        """The experts chosen in the last RECENT_RUNS runs fetched."""
+        out = self.experts()
+        for chosen in self.before:
+            out = np.union1d(out, chosen)
+        return out
 
 
 class _Tensor:
@@ -96,6 +100,7 @@ class ExpertUploads:
         self.choices = {}       # layer -> _Choice (the layers share one ids buffer)
         self.slots, self.freed, self.slot_bytes, self.run = None, None, 0, 0
         self.bytes = 0          # bytes uploaded (the completing kernels' once settled)
+        self.missed_bytes = 0   # of them, chosen experts an upload ahead lacked
         self.whole = 0          # uploads that held every expert
         self.last = 0           # experts on the GPU for the last product (once settled)
 
@@ -162,6 +167,7 @@ class ExpertUploads:
         if t.view is None:                           # the host reads the choice first
             missing = np.setdiff1d(t.choice.experts(), t.held, assume_unique=True)
             self._copy(dev, t.host, id_runs(missing), be.stream)
+            self.missed_bytes += len(missing) * t.host.strides[0]
             self.last = len(t.held) + len(missing)
             return
         if t.masks is None:
@@ -187,6 +193,7 @@ class ExpertUploads:
                 held, t.pending = t.pending[0], None
                 missing = np.setdiff1d(t.choice.experts(), held, assume_unique=True)
                 self.bytes += len(missing) * t.host.strides[0]
+                self.missed_bytes += len(missing) * t.host.strides[0]
                 self.last = len(held) + len(missing)
         return self
 

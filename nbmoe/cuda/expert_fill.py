@@ -12,7 +12,7 @@ from . import SIM
 
 # Blocks per expert column of the grid and threads a block: enough loads in flight to keep
 # PCIe busy (the simulator runs a thread per thread: a small grid there).
-FILL_BLOCKS, FILL_THREADS = (1, 32) if SIM else (16, 256)
+FILL_BLOCKS, FILL_THREADS = (1, 4) if SIM else (16, 256)
 
 _kernels = {}
 
