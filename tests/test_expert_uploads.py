@@ -33,6 +33,7 @@ def run_plan(uploads, ids_dev, choices, hosts):
 @pytest.mark.parametrize("by_kernel", [False, True])
 def test_chosen_experts_arrive_in_place(monkeypatch, start_whole, by_kernel):
     monkeypatch.setattr(expert_uploads, "MAX_SLOTS", 4)     # 6 tensors through 4 slots: reused
+    monkeypatch.setattr(expert_uploads, "RECENT_RUNS", 2)   # uploads hold two runs' choices
     be = CUDABackend("CUDA0", {}, [])
     rng = np.random.default_rng(1)
     hosts, views = [], []
@@ -46,7 +47,7 @@ def test_chosen_experts_arrive_in_place(monkeypatch, start_whole, by_kernel):
     pairs = T * A if not start_whole else expert_uploads.START_WHOLE_PAIRS * E
     for i, (h, v) in enumerate(zip(hosts, views)):
         assert uploads.add(h, ids_dev, pairs, f"{i // 3}", v) == i
-    assert uploads.n_slots == 4
+    assert uploads.n_slots == 4 and {t.runs for t in uploads.tensors} == {2}
     per_expert = M * ROW
     skewed = [rng.choice(4, (T, A)).astype(np.int32) for _ in range(LAYERS)]   # experts 0-3
     spread = [np.arange(T * A, dtype=np.int32).reshape(T, A) % E for _ in range(LAYERS)]
@@ -87,3 +88,14 @@ def test_upload_all_never_reads_the_router():
 def test_id_runs():
     assert expert_uploads.id_runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 6), (7, 9)]
     assert expert_uploads.id_runs(np.array([], np.int64)) == []
+
+
+def test_large_batches_remember_more_runs():
+    be = CUDABackend("CUDA0", {}, [])
+    host = np.zeros((E, M, ROW), np.uint8)
+    uploads = expert_uploads.ExpertUploads(be)
+    ids = be.alloc((T, A), np.int32)
+    small = uploads.add(host, ids, expert_uploads.RECENT_MORE_PAIRS * E - 1, "0")
+    large = uploads.add(host, ids, expert_uploads.RECENT_MORE_PAIRS * E, "1")
+    assert uploads.tensors[small].runs == expert_uploads.RECENT_RUNS
+    assert uploads.tensors[large].runs == expert_uploads.RECENT_RUNS_LARGE

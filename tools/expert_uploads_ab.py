@@ -25,10 +25,12 @@ def main():
     ap.add_argument("-ub", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("--mode", choices=("kernel", "host", "whole"), default="kernel")
-    ap.add_argument("--recent", type=int, default=expert_uploads.RECENT_RUNS,
-                    help="runs whose choices an upload holds (default: %(default)s)")
+    ap.add_argument("--recent", type=int, default=None,
+                    help="runs whose choices an upload holds, at every batch (default: the "
+                         "engine's, RECENT_RUNS / RECENT_RUNS_LARGE by the batch)")
     a = ap.parse_args()
-    expert_uploads.RECENT_RUNS = a.recent
+    if a.recent:
+        expert_uploads.RECENT_RUNS = expert_uploads.RECENT_RUNS_LARGE = a.recent
     if a.mode == "host":
         add = expert_uploads.ExpertUploads.add
         expert_uploads.ExpertUploads.add = lambda self, host, ids, n, layer, view=None: add(
@@ -46,7 +48,7 @@ def main():
         per_batch = (gpu.uploaded_bytes - before) / batches / 1e9
         missed = (gpu.last_expert_uploads.missed_bytes - missed) / batches / 1e9
         held = [-1 if t.held is None else len(t.held) for t in gpu.last_expert_uploads.tensors]
-        print(f"ub {a.ub} {a.mode} recent {a.recent} pp{n}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, "
+        print(f"ub {a.ub} {a.mode} recent {a.recent or 'default'} pp{n}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, "
               f"{per_batch:.2f} GB uploaded a micro-batch ({missed:.2f} GB after the router); "
               f"held ahead, per tensor: {held}")
 

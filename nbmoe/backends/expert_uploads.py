@@ -10,9 +10,9 @@ Which experts an upload holds, before the router has chosen:
   all of them, on the plan's first run when the batch gives each expert at least
   START_WHOLE_PAIRS (token, expert) pairs (a spread router then chooses nearly all), and
   after any run whose router chose at least WHOLE_SHARE of them;
-  else the experts the router chose for that layer in the plan's last RECENT_RUNS runs (none on a
-  first run): a layer's choice changes little from batch to batch (trained routers and random
-  ones alike favour some experts).
+  else the experts the router chose for that layer in the plan's last run, or last few at
+  large batches (none on a first run): a layer's choice changes little from batch to batch
+  (trained routers and random ones alike favour some experts).
 Unless an upload held every expert, the chosen experts it lacks are copied in before the
 product: by a kernel reading them from the mapped file (cuda/expert_fill.py), queued with
 the products, so the host never waits for the router; where the file is not mapped for the
@@ -27,8 +27,11 @@ import numpy as np
 START_WHOLE_PAIRS = 4
 # A layer whose router chose at least this share of the experts uploads whole tensors next run.
 WHOLE_SHARE = 0.9
-# An upload holds the experts its layer chose in this many runs before.
-RECENT_RUNS = 2
+# An upload holds the experts its layer chose in this many runs before: 1 while the link
+# sets the pace (ahead bytes cost what missed ones do), more from RECENT_MORE_PAIRS (token,
+# expert) pairs per expert, where missed experts wait on the products' stream and ahead ones
+# hide under the products.
+RECENT_RUNS, RECENT_RUNS_LARGE, RECENT_MORE_PAIRS = 1, 4, 64
 # Device slots (uploads run up to n_slots - 1 tensors ahead of the products): as many as fit
 # in SLOT_BYTES, between MIN_SLOTS and MAX_SLOTS.
 MIN_SLOTS, MAX_SLOTS, SLOT_BYTES = 2, 8, 2 << 30
@@ -57,7 +60,7 @@ class _Choice:
         """Queue the copy of this run's choice (after the router, on the compute stream)."""
         if self.run != run:
             if self.run >= 0:
-                self.before = ([self.experts()] + self.before)[:RECENT_RUNS - 1]
+                self.before = ([self.experts()] + self.before)[:RECENT_RUNS_LARGE - 1]
             self.ids.copy_to_host(self.host, stream=stream)
             self.copied.record(stream)
             self.run, self.chosen = run, None
@@ -69,10 +72,10 @@ class _Choice:
             self.chosen = np.unique(self.host)
         return self.chosen
 
-    def recent(self):
-        """The experts chosen in the last RECENT_RUNS runs fetched."""
+    def recent(self, runs):
+        """The experts chosen in the last `runs` runs fetched."""
         out = self.experts()
-        for chosen in self.before:
+        for chosen in self.before[:runs - 1]:
             out = np.union1d(out, chosen)
         return out
 
@@ -82,8 +85,9 @@ class _Tensor:
     upload holds (None: all), and for the kernel that completes it the file's mapping as the
     GPU sees it and a held mask per run parity (mapped host memory)."""
 
-    def __init__(self, host, choice, held, view):
+    def __init__(self, host, choice, held, view, runs):
         self.host, self.choice, self.held, self.view = host, choice, held, view
+        self.runs = runs           # the runs whose choices an upload holds
         self.masks = None          # [(host, device)] for runs of even, odd number
         self.pending = None        # (held, run) of a completed upload whose choice is unread
 
@@ -111,7 +115,8 @@ class ExpertUploads:
             self.choices[layer] = _Choice(self.backend, ids)
         whole = self.upload_all or n_pairs >= START_WHOLE_PAIRS * host.shape[0]
         held = None if whole else np.zeros(0, np.int64)
-        self.tensors.append(_Tensor(host, self.choices[layer], held, view))
+        runs = RECENT_RUNS_LARGE if n_pairs >= RECENT_MORE_PAIRS * host.shape[0] else RECENT_RUNS
+        self.tensors.append(_Tensor(host, self.choices[layer], held, view, runs))
         self.uploaded.append(self.backend.cuda.event())
         self.slot_bytes = max(self.slot_bytes, host.nbytes)
         return len(self.tensors) - 1
@@ -134,7 +139,7 @@ class ExpertUploads:
             for ev in self.freed:
                 ev.record(be.stream)
         if not self.upload_all and t.choice.run >= 0:     # a run has shown this layer's choice
-            recent = t.choice.recent()
+            recent = t.choice.recent(t.runs)
             t.held = None if len(t.choice.experts()) >= WHOLE_SHARE * t.host.shape[0] else recent
         slot = i % len(self.slots)
         self.freed[slot].wait(self.copy_stream)
