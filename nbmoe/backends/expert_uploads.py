@@ -170,10 +170,7 @@ class ExpertUploads:
         """Queue the copy of the chosen experts that tensor i's upload lacks."""
         be, t = self.backend, self.tensors[i]
         if t.view is None:                           # the host reads the choice first
-            missing = np.setdiff1d(t.choice.experts(), t.held, assume_unique=True)
-            self._copy(dev, t.host, id_runs(missing), be.stream)
-            self.missed_bytes += len(missing) * t.host.strides[0]
-            self.last = len(t.held) + len(missing)
+            self._copy(dev, t.host, id_runs(self._missed(t, t.held)), be.stream)
             return
         if t.masks is None:
             self._make_masks()
@@ -191,15 +188,19 @@ class ExpertUploads:
             n = t.host.shape[0]
             t.masks = [(host[i, p, :n], dev[i, p, :n]) for p in range(2)]
 
+    def _missed(self, t, held):
+        """The experts t's layer chose beyond `held`, counted in missed_bytes and last."""
+        missing = np.setdiff1d(t.choice.experts(), held, assume_unique=True)
+        self.missed_bytes += len(missing) * t.host.strides[0]
+        self.last = len(held) + len(missing)
+        return missing
+
     def settled(self):
         """Self, with the bytes the completing kernels copied counted (their choices read)."""
         for t in self.tensors:
             if t.pending is not None and t.pending[1] == t.choice.run:
                 held, t.pending = t.pending[0], None
-                missing = np.setdiff1d(t.choice.experts(), held, assume_unique=True)
-                self.bytes += len(missing) * t.host.strides[0]
-                self.missed_bytes += len(missing) * t.host.strides[0]
-                self.last = len(held) + len(missing)
+                self.bytes += len(self._missed(t, held)) * t.host.strides[0]
         return self
 
     def wait(self, i):
