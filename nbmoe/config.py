@@ -35,10 +35,6 @@ INT8_DOT = env_flag("NBMOE_INT8_DOT", True)
 # NBMOE_GEMM_I8=0: batched products (prompts) by dequantize + BLAS (exact), not gemm_i8's 8-bit x.
 GEMM_I8 = env_flag("NBMOE_GEMM_I8", True)
 
-# NBMOE_PREFETCH_EXPERTS=0: hybrid generation's CPU threads idle while a GPU routes a layer,
-# instead of reading the experts that layer chose for the last token (cpu/prefetch.py).
-PREFETCH_EXPERTS = env_flag("NBMOE_PREFETCH_EXPERTS", True)
-
 # NBMOE_COMPILE_AHEAD=0: a cold start compiles in one process (else a second one compiles the
 # prompt path, or a bench's generation, beside it: nbmoe/compiling.py).
 COMPILE_AHEAD = env_flag("NBMOE_COMPILE_AHEAD", True)

@@ -99,22 +99,3 @@ def test_large_batches_remember_more_runs():
     large = uploads.add(host, ids, expert_uploads.RECENT_MORE_PAIRS * E, "1")
     assert uploads.tensors[small].runs == expert_uploads.RECENT_RUNS
     assert uploads.tensors[large].runs == expert_uploads.RECENT_RUNS_LARGE
-
-
-def test_copy_held_copies_the_held_experts_alone():
-    """Experts of 40 8-byte words: the copy's four-load steps and its tail both run."""
-    from nbmoe.cuda import expert_fill
-    be = CUDABackend("CUDA0", {}, [])
-    rng = np.random.default_rng(3)
-    host, view = be.mapped_alloc((E, 5, 64), np.uint8)
-    host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
-    held_host, held = be.mapped_alloc((E,), np.int32)
-    held_host[[1, 2, 6]] = 1
-    dev = be.alloc(host.shape, np.uint8)
-    dev.copy_to_device(np.zeros(host.shape, np.uint8))
-    expert_fill.copy_held(dev, view, held)
-    out = dev.copy_to_host()
-    assert np.array_equal(out[[1, 2, 6]], host[[1, 2, 6]])
-    assert not out[[0, 3, 4, 5, 7]].any()
-    with pytest.raises(ValueError, match="at most"):
-        expert_fill.copy_held(be.alloc((expert_fill.MAX_EXPERTS + 1, 8), np.uint8), view, held)

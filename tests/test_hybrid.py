@@ -213,12 +213,7 @@ def test_zero_copy_experts_equal_cpu(tiny_model, slots):
     assert {n.params["slots"] for n in cpu_share} == {(slots, A)}
     ops = [what for _, what in plan.labels]
     assert ops.count("GRAPH") == llm.cfg.n_layer + 1
-    aheads = [s for s in plan.steps if isinstance(s, scheduler._LaunchAhead)]
-    assert len(aheads) == llm.cfg.n_layer
-    # while the GPU routes, the CPU reads the experts it chose last (cpu/prefetch.py)
-    assert all(s.prefetch is not None for s in aheads)
-    assert aheads[0].prefetch(np.zeros(1, np.int32))[0] > 0
-    assert aheads[0].prefetch(np.ones(1, np.int32))[0] == 0
+    assert sum(isinstance(s, scheduler._LaunchAhead) for s in plan.steps) == llm.cfg.n_layer
     assert not any(n.cause == "zc" for n in llm.plan(2, 1).graph.nodes)   # prompts: as before
     ref = nbmoe.load(path, n_ctx=64, threads=2)
     assert close(llm.eval(PROMPT), ref.eval(PROMPT))

@@ -3,18 +3,14 @@
     python tools/expert_uploads_ab.py -m MODEL -ub 512 --mode kernel   # the engine's way
     python tools/expert_uploads_ab.py -m MODEL -ub 512 --mode host     # host reads each router
     python tools/expert_uploads_ab.py -m MODEL -ub 512 --mode whole    # --upload-all-experts
-    python tools/expert_uploads_ab.py -m MODEL -ub 512 --ahead copies  # a copy a run of experts
 
 Experts in RAM (`-ngl 99 -ot exps=CPU`); pp512 and pp2048 as nbmoe.bench times them (two runs
 to warm up, then three), with the bytes uploaded a micro-batch and the experts the last
-plan's uploads held ahead (tensors whole, experts the others held), and the host's time in the
-uploads' bookkeeping a micro-batch (launches and driver calls included). --ahead: how the
-experts held ahead go up, by the engine's kernel or a driver call a run of consecutive ones. `host` drops the mapped view of
+plan's uploads held ahead per tensor (-1: the whole tensor). `host` drops the mapped view of
 the file, so the chosen experts an upload lacks come from the host after it read the layer's
 choice (backends/expert_uploads.py).
 """
 import argparse
-import time
 
 import numpy as np
 
@@ -32,10 +28,7 @@ def main():
     ap.add_argument("--recent", type=int, default=None,
                     help="runs whose choices an upload holds, at every batch (default: the "
                          "engine's, RECENT_RUNS / RECENT_RUNS_LARGE by the batch)")
-    ap.add_argument("--ahead", choices=("kernel", "copies"), default="kernel")
     a = ap.parse_args()
-    expert_uploads.AHEAD_BY_KERNEL = a.ahead == "kernel"
-    host_s = time_methods(expert_uploads.ExpertUploads, ("wait", "done"))
     if a.recent:
         expert_uploads.RECENT_RUNS = expert_uploads.RECENT_RUNS_LARGE = a.recent
     if a.mode == "host":
@@ -50,32 +43,14 @@ def main():
         run_pp(llm, n, 2048, rng)
         run_pp(llm, n, 2048, rng)
         before, missed = gpu.uploaded_bytes, gpu.last_expert_uploads.missed_bytes
-        host_s[0] = 0.0
         ts = [n / run_pp(llm, n, 2048, rng) for _ in range(3)]
         batches = 3 * max(1, n // a.ub)
         per_batch = (gpu.uploaded_bytes - before) / batches / 1e9
         missed = (gpu.last_expert_uploads.missed_bytes - missed) / batches / 1e9
-        host_ms = host_s[0] / batches * 1e3
-        held = [len(t.held) for t in gpu.last_expert_uploads.tensors if t.held is not None]
-        whole = len(gpu.last_expert_uploads.tensors) - len(held)
-        print(f"ub {a.ub} {a.mode} ahead by {a.ahead} recent {a.recent or 'default'} pp{n}: "
-              f"{np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, {per_batch:.2f} GB uploaded a micro-batch "
-              f"({missed:.2f} GB after the router), host {host_ms:.1f} ms in the uploads; "
-              f"{whole} tensors whole, the others held {np.mean(held or [0]):.1f} experts ahead")
-
-
-def time_methods(cls, names):
-    """Wrap cls's methods `names` with a host clock; returns [seconds spent in them]."""
-    spent = [0.0]
-    for name in names:
-        def timed(self, *args, _fn=getattr(cls, name)):
-            t0 = time.perf_counter()
-            try:
-                return _fn(self, *args)
-            finally:
-                spent[0] += time.perf_counter() - t0
-        setattr(cls, name, timed)
-    return spent
+        held = [-1 if t.held is None else len(t.held) for t in gpu.last_expert_uploads.tensors]
+        print(f"ub {a.ub} {a.mode} recent {a.recent or 'default'} pp{n}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s, "
+              f"{per_batch:.2f} GB uploaded a micro-batch ({missed:.2f} GB after the router); "
+              f"held ahead, per tensor: {held}")
 
 
 if __name__ == "__main__":

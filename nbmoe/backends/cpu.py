@@ -309,9 +309,8 @@ class CPUBackend(Backend):
 
     def __init__(self, tensors, repacked=None, flash_attn="auto"):
         super().__init__(tensors, flash_attn)
-        from nbmoe.cpu import attention, blocks, fused, matmul, mla, moe, ops, prefetch
+        from nbmoe.cpu import attention, blocks, fused, matmul, mla, moe, ops
         self.mm, self.ops, self.attn, self.moe, self.fused = matmul, ops, attention, moe, fused
-        self.prefetch = prefetch
         self.mla = mla
         self.blocks = blocks
         self.max_vec_t = matmul.BLAS_MIN_T - 1
@@ -368,15 +367,8 @@ class CPUBackend(Backend):
         out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
         step = mm.expert_item_rows(out.shape[2], wg.shape[2], ids.shape[0], qtype)
         int8 = mm._int8(qtype)
-        run = _labelled(lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg, bu),
-                        "MUL_MAT_ID_GLU")
-        if ids.shape[0] == 1 and qtype not in self.mm.BASE:    # one token, the GGUF's layout
-            F, ahead = out.shape[2], self.prefetch.expert_rows_ahead
-            up0 = F if wu is None else 0
-            wu = wg if wu is None else wu
-            run = _remembering(run, ids, lambda last, flag: ahead(
-                wg, wu, up0, last, F, step, flag, numba.get_num_threads()))
-        return [None] * (len(members) - 1) + [run]
+        return [None] * (len(members) - 1) + [_labelled(
+            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg, bu), "MUL_MAT_ID_GLU")]
 
     def _bind_down_combine(self, members, buf, state):
         down, combine = members[0], members[-1]
@@ -523,20 +515,6 @@ def _no_step():
 
 
 _no_step.skip = True
-
-
-def _remembering(run, ids, ahead):
-    """run, which also keeps a copy of its chosen experts ids; step.prefetch(flag) reads
-    ahead(copy, flag): the rows the next call would read first if it chose the same
-    (cpu/prefetch.py, called by the scheduler while a GPU routes the next token's layer)."""
-    last = np.zeros(ids.shape, ids.dtype)
-    flat = last.reshape(-1)
-
-    def step():
-        run()
-        np.copyto(last, ids)
-    step.label, step.prefetch = run.label, lambda flag: ahead(flat, flag)
-    return step
 
 
 def _labelled(step, label):

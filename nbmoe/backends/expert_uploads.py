@@ -13,12 +13,9 @@ Which experts an upload holds, before the router has chosen:
   else the experts the router chose for that layer in the plan's last run, or last few at
   large batches (none on a first run): a layer's choice changes little from batch to batch
   (trained routers and random ones alike favour some experts).
-A whole tensor goes up as one copy; some of its experts, by a kernel reading them from the
-file's mapping (cuda/expert_fill.py copy_held: one launch however scattered they are), or
-by a copy each run of consecutive experts where the file is not mapped for the GPU.
 Unless an upload held every expert, the chosen experts it lacks are copied in before the
-product: by a kernel reading them from the mapped file (fill_chosen), queued with the
-products, so the host never waits for the router; where the file is not mapped for the
+product: by a kernel reading them from the mapped file (cuda/expert_fill.py), queued with
+the products, so the host never waits for the router; where the file is not mapped for the
 GPU, the host reads the layer's choice (once for its gate, up and down) and uploads them on
 the compute stream. Experts keep their place in the slot, so the products read the router's
 ids as they are. --upload-all-experts: every upload whole.
@@ -35,9 +32,6 @@ WHOLE_SHARE = 0.9
 # expert) pairs per expert, where missed experts wait on the products' stream and ahead ones
 # hide under the products.
 RECENT_RUNS, RECENT_RUNS_LARGE, RECENT_MORE_PAIRS = 1, 4, 64
-# An upload of some experts from the mapped file: one kernel launch (else a driver call a run of
-# consecutive experts, ~1 MB each for the Qwen3-30B shape).
-AHEAD_BY_KERNEL = True
 # Device slots (uploads run up to n_slots - 1 tensors ahead of the products): as many as fit
 # in SLOT_BYTES, between MIN_SLOTS and MAX_SLOTS.
 MIN_SLOTS, MAX_SLOTS, SLOT_BYTES = 2, 8, 2 << 30
@@ -149,29 +143,11 @@ class ExpertUploads:
             t.held = None if len(t.choice.experts()) >= WHOLE_SHARE * t.host.shape[0] else recent
         slot = i % len(self.slots)
         self.freed[slot].wait(self.copy_stream)
-        if t.held is None:
-            self._copy(self._device(i), t.host, [(0, t.host.shape[0])], self.copy_stream)
-            self.whole += 1
-        elif t.view is not None:
-            self._copy_held(i, t)
-        else:
-            self._copy(self._device(i), t.host, id_runs(t.held), self.copy_stream)
+        runs = [(0, t.host.shape[0])] if t.held is None else id_runs(t.held)
+        self._copy(self._device(i), t.host, runs, self.copy_stream)
         self.uploaded[i].record(self.copy_stream)
-
-    def _copy_held(self, i, t):
-        """Queue the copy of t's held experts by copy_held, and write the held mask that it
-        and the completing kernel read (this run's parity: run r - 2, its last reader, is done)."""
-        if t.masks is None:
-            self._make_masks()
-        host_mask, mask = t.masks[self.run % 2]
-        host_mask[:] = 0
-        host_mask[t.held] = 1
-        if len(t.held) and AHEAD_BY_KERNEL:
-            from nbmoe.cuda import expert_fill
-            self.bytes += len(t.held) * t.host.strides[0]
-            expert_fill.copy_held(self._device(i), t.view, mask, stream=self.copy_stream)
-        elif len(t.held):
-            self._copy(self._device(i), t.host, id_runs(t.held), self.copy_stream)
+        if t.held is None:
+            self.whole += 1
 
     def _copy(self, dst, host, runs, stream):
         """dst[a:b] <- host[a:b] for each run (a, b), queued on `stream`, one driver call each."""
@@ -196,7 +172,12 @@ class ExpertUploads:
         if t.view is None:                           # the host reads the choice first
             self._copy(dev, t.host, id_runs(self._missed(t, t.held)), be.stream)
             return
-        be.fill.fill_chosen(dev, t.view, t.choice.ids, t.masks[self.run % 2][1])    # (_copy_held's)
+        if t.masks is None:
+            self._make_masks()
+        host_mask, mask = t.masks[self.run % 2]      # run r - 2, its last reader, is done
+        host_mask[:] = 0
+        host_mask[t.held] = 1
+        be.fill.fill_chosen(dev, t.view, t.choice.ids, mask)
         t.pending = (t.held, self.run)
 
     def _make_masks(self):

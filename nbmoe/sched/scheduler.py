@@ -312,8 +312,6 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         ensure("logits", "CPU")
     if graph_mode:
         steps, labels, runs_on = _graph_runs(steps, labels, runs_on, record_on, backends, ahead)
-        if config.PREFETCH_EXPERTS:
-            _read_ahead(steps)
     if len(gpus) > 1:
         steps = [step if be == "CPU" else _OnGPU(step, backends[be]) for step, be in zip(steps, runs_on)]
     host = {name: bufs["CPU"][name] for name in graph.inputs}
@@ -429,19 +427,6 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
     return out_steps, out_labels, out_on
 
 
-def _read_ahead(steps):
-    """Each _LaunchAhead, while it waits for its GPU's routing, reads ahead for the CPU's
-    expert step after it (one with a `prefetch`: cpu/prefetch.py)."""
-    for k, step in enumerate(steps):
-        if isinstance(step, _LaunchAhead):
-            for later in steps[k + 1:]:
-                if isinstance(later, _LaunchAhead):
-                    break
-                if getattr(later, "prefetch", None) is not None:
-                    step.prefetch = later.prefetch
-                    break
-
-
 class _LaunchAhead:
     """A graph the host waits for (the routing and the copies the CPU's experts read), and
     after it, on the same stream, a graph it does not wait for (the GPU's zero-copy experts):
@@ -460,7 +445,6 @@ class _LaunchAhead:
         backend.activate()      # an event belongs to the context current when it is made
         self.event, self.done = backend.cuda.event(), backend.cuda.event()
         self.prev, self.measure, self.released, self.cpu_share_seconds = prev, False, None, None
-        self.prefetch = None    # reads the CPU's likely experts while the routing runs
 
     def __call__(self):
         prev = self.prev
@@ -473,8 +457,6 @@ class _LaunchAhead:
         self.second()
         if self.measure:
             self.done.record(self.stream)
-        if self.prefetch is not None and self.first.flag is not None and self.first.exec is not None:
-            self.prefetch(self.first.flag)          # returns once the flag is set, or all is read
         if flagged:
             self.first.synchronize()               # the routing's host flag (graphs.GraphRun)
         else:
