@@ -99,3 +99,34 @@ def test_large_batches_remember_more_runs():
     large = uploads.add(host, ids, expert_uploads.RECENT_MORE_PAIRS * E, "1")
     assert uploads.tensors[small].runs == expert_uploads.RECENT_RUNS
     assert uploads.tensors[large].runs == expert_uploads.RECENT_RUNS_LARGE
+
+
+def test_timeline_tool_times_each_tensor(capsys):
+    """tools/expert_uploads_timeline.py: per run, an upload, a completion and an end for
+    every tensor, and a report line a run (the simulator's clock gives no real times)."""
+    from expert_uploads_timeline import Timeline
+    tl = Timeline()
+    uninstall = tl.install()
+    try:
+        be = CUDABackend("CUDA0", {}, [])
+        rng = np.random.default_rng(2)
+        hosts = []
+        uploads = expert_uploads.ExpertUploads(be)
+        ids_dev = be.alloc((T, A), np.int32)
+        for i in range(3 * LAYERS):
+            host, view = be.mapped_alloc((E, M, ROW), np.uint8)
+            host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+            hosts.append(host)
+            uploads.add(host, ids_dev, T * A, f"{i // 3}", view)
+        choices = [rng.choice(E, (T, A)).astype(np.int32) for _ in range(LAYERS)]
+        tl.on = True
+        for _ in range(2):
+            run_plan(uploads, ids_dev, choices, hosts)
+        tl.report(1e9)
+    finally:
+        uninstall()
+    assert expert_uploads.ExpertUploads.wait.__name__ == "wait"
+    assert len(tl.runs) == 2
+    for r in tl.runs:
+        assert sorted(r["up"]) == sorted(r["fill"]) == sorted(r["end"]) == list(range(3 * LAYERS))
+    assert capsys.readouterr().out.count("span") == 3     # two runs and the mean
