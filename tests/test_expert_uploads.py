@@ -29,6 +29,15 @@ def run_plan(uploads, ids_dev, choices, hosts):
     return found
 
 
+def mapped_tensors(be, rng):
+    """Three random expert tensors a layer in page-locked host memory the GPU can read:
+    (host arrays, their device views)."""
+    pairs = [be.mapped_alloc((E, M, ROW), np.uint8) for _ in range(3 * LAYERS)]
+    for host, _ in pairs:
+        host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+    return [h for h, _ in pairs], [v for _, v in pairs]
+
+
 @pytest.mark.parametrize("start_whole", [False, True])
 @pytest.mark.parametrize("by_kernel", [False, True])
 def test_chosen_experts_arrive_in_place(monkeypatch, start_whole, by_kernel):
@@ -36,12 +45,8 @@ def test_chosen_experts_arrive_in_place(monkeypatch, start_whole, by_kernel):
     monkeypatch.setattr(expert_uploads, "RECENT_RUNS", 2)   # uploads hold two runs' choices
     be = CUDABackend("CUDA0", {}, [])
     rng = np.random.default_rng(1)
-    hosts, views = [], []
-    for _ in range(3 * LAYERS):          # page-locked host memory the GPU can read
-        host, view = be.mapped_alloc((E, M, ROW), np.uint8)
-        host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
-        hosts.append(host)
-        views.append(view if by_kernel else None)
+    hosts, views = mapped_tensors(be, rng)
+    views = views if by_kernel else [None] * len(views)
     ids_dev = be.alloc((T, A), np.int32)
     uploads = expert_uploads.ExpertUploads(be)
     pairs = T * A if not start_whole else expert_uploads.START_WHOLE_PAIRS * E
@@ -110,13 +115,10 @@ def test_timeline_tool_times_each_tensor(capsys):
     try:
         be = CUDABackend("CUDA0", {}, [])
         rng = np.random.default_rng(2)
-        hosts = []
+        hosts, views = mapped_tensors(be, rng)
         uploads = expert_uploads.ExpertUploads(be)
         ids_dev = be.alloc((T, A), np.int32)
-        for i in range(3 * LAYERS):
-            host, view = be.mapped_alloc((E, M, ROW), np.uint8)
-            host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
-            hosts.append(host)
+        for i, (host, view) in enumerate(zip(hosts, views)):
             uploads.add(host, ids_dev, T * A, f"{i // 3}", view)
         choices = [rng.choice(E, (T, A)).astype(np.int32) for _ in range(LAYERS)]
         tl.on = True
