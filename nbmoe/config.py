@@ -86,6 +86,9 @@ EP_OVERLAP = env_flag("NBMOE_EP_OVERLAP", True)
 GRAPHS = not env_flag("NBMOE_NO_GRAPHS", False)
 # NBMOE_NO_PROMPT_GRAPHS=1: prompt batches launch their kernels one by one (decoding's graphs stay).
 PROMPT_GRAPHS = not env_flag("NBMOE_NO_PROMPT_GRAPHS", False)
+# NBMOE_NO_OFFLOADED_PROMPT_GRAPHS=1: prompt batches with offloaded products (weights in RAM) launch
+# all their kernels one by one (to measure what the graphs between those products gain).
+OFFLOADED_PROMPT_GRAPHS = not env_flag("NBMOE_NO_OFFLOADED_PROMPT_GRAPHS", False)
 # NBMOE_NO_PIN=1: upload offloaded weights from the pageable file mapping (no page-locking).
 PIN = not env_flag("NBMOE_NO_PIN", False)
 # NBMOE_NO_MAPPED=1: hybrid decoding copies its small crossings instead of mapping host memory.

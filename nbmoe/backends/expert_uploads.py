@@ -69,7 +69,7 @@ class _Choice:
         """The experts chosen in the run fetched last, sorted (waits for its copy)."""
         if self.chosen is None:
             self.copied.synchronize()
-            self.chosen = np.unique(self.host)
+            self.chosen = np.flatnonzero(np.bincount(self.host.ravel()))   # sorted, unique
         return self.chosen
 
     def recent(self, runs):
@@ -90,6 +90,8 @@ class _Tensor:
         self.runs = runs           # the runs whose choices an upload holds
         self.masks = None          # [(host, device)] for runs of even, odd number
         self.pending = None        # (held, run) of a completed upload whose choice is unread
+        self.device = None         # its slot's bytes as [E, M, row_bytes] (made once)
+        self.fill = None           # the completing kernel's operands (made once)
 
 
 class ExpertUploads:
@@ -127,8 +129,10 @@ class ExpertUploads:
         return int(min(MAX_SLOTS, len(self.tensors), max(MIN_SLOTS, fit)))
 
     def _device(self, i):
-        host = self.tensors[i].host
-        return self.slots[i % len(self.slots)][:host.nbytes].reshape(host.shape)
+        t = self.tensors[i]
+        if t.device is None:        # a device array's slicing costs the host tens of microseconds
+            t.device = self.slots[i % len(self.slots)][:t.host.nbytes].reshape(t.host.shape)
+        return t.device
 
     def _upload(self, i):
         """Queue tensor i's upload: every expert, or those its layer chose recently."""
@@ -177,7 +181,9 @@ class ExpertUploads:
         host_mask, mask = t.masks[self.run % 2]      # run r - 2, its last reader, is done
         host_mask[:] = 0
         host_mask[t.held] = 1
-        be.fill.fill_chosen(dev, t.view, t.choice.ids, mask)
+        if t.fill is None:
+            t.fill = be.fill.fill_operands(dev, t.view, t.choice.ids)
+        be.fill.fill_chosen(dev, t.view, t.choice.ids, mask, operands=t.fill)
         t.pending = (t.held, self.run)
 
     def _make_masks(self):

@@ -52,13 +52,19 @@ def _words(a, n_bytes):
             return a.reshape(a.shape[0], n_bytes).view(dtype)
 
 
-def fill_chosen(dst, src, ids, held, stream=0):
+def fill_operands(dst, src, ids):
+    """The kernel's operands for dst, src and ids (made once a tensor: device array views
+    cost the host tens of microseconds each)."""
+    n_bytes = dst.size // dst.shape[0]
+    return _words(dst, n_bytes), _words(src, n_bytes), ids.reshape(ids.size)
+
+
+def fill_chosen(dst, src, ids, held, stream=0, operands=None):
     """dst[e] <- src[e] for each expert e chosen in ids ([T, A]) with held[e] == 0.
-    dst: device [E, ...] uint8; src: the same shape, host memory mapped for the GPU."""
-    E = dst.shape[0]
-    n_bytes = dst.size // E
+    dst: device [E, ...] uint8; src: the same shape, host memory mapped for the GPU;
+    operands: fill_operands(dst, src, ids), if made before."""
     k = _kernels.get("fill")
     if k is None:
         k = _kernels["fill"] = cuda.jit(_fill_chosen)
-    k[(FILL_BLOCKS, E), FILL_THREADS, stream](_words(dst, n_bytes), _words(src, n_bytes),
-                                         ids.reshape(ids.size), held)
+    d, s, i = operands or fill_operands(dst, src, ids)
+    k[(FILL_BLOCKS, dst.shape[0]), FILL_THREADS, stream](d, s, i, held)

@@ -25,10 +25,10 @@ computes the CPU's experts while the GPU computes its share.
 
 On a GPU each run of consecutive GPU steps becomes one CUDA graph replay (cuda/graphs.py),
 one host call instead of a launch per kernel: for decoding batches (up to GRAPH_MAX_T
-tokens), and for prompt batches without offloaded products (graphed_batch; a 512-token
-batch of a 48-layer MoE makes ~1100 launches, more host time than GPU time). Copies from
-host memory and offloaded products stay outside. --timings replays each step of such a run
-as a graph of its own between CUDA events: per-op device times.
+tokens) and for prompt batches (graphed_batch; a 512-token batch of a 48-layer MoE makes
+~1100 launches, more host time than GPU time). Copies from host memory and offloaded
+products (their uploads run on a stream of their own) stay outside, between the graphs.
+--timings replays each step of such a run as a graph of its own between CUDA events.
 Small buffers that cross between the CPU and one GPU and that the GPU touches once per
 crossing (the router's choices and weights out of a layer's GPU split, the CPU experts'
 output back in: `mapped_crossings`) live in host memory mapped into the GPU's address space:
@@ -323,12 +323,12 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
 def graphed_batch(graph, prompt_graphs=True):
     """Whether a plan's GPU runs are CUDA graphs: decoding batches always; prompt batches
     (config.PROMPT_GRAPHS; prompt_graphs False: the engine serves several slots, whose caches
-    a recording would need a plan each for) unless a product is offloaded, whose uploads from
-    RAM stay outside graphs and overlap the products on a stream of their own."""
+    a recording would need a plan each for). Offloaded products stay outside the graphs
+    (config.OFFLOADED_PROMPT_GRAPHS off: their plans record nothing)."""
     if graph.n_tokens <= GRAPH_MAX_T:
         return True
     return (config.PROMPT_GRAPHS and prompt_graphs
-            and not any(node.cause == "off" for node in graph.nodes))
+            and (config.OFFLOADED_PROMPT_GRAPHS or not any(node.cause == "off" for node in graph.nodes)))
 
 
 def mapped_crossings(graph, gpu):
