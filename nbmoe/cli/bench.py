@@ -12,6 +12,7 @@ GB/s, next to the streaming read bandwidth measured right after the test; with a
 column counts all weights, wherever they are read.
 """
 import argparse
+import gc
 import os
 import platform
 import sys
@@ -109,7 +110,8 @@ def main(argv=None):
         llm = None
         for c in configs(args):
             ngl, ub, rtr = c["ngl"], c["ub"], c["rtr"]
-            llm = None      # the previous model's memory (and repacked copies) go first
+            llm = None      # the previous model's memory (and repacked copies) go first,
+            gc.collect()    # now: not inside a later test (unpinning its RAM takes a while)
             llm = load_config(path, args, c, need, threads_list[0], quiet=args.output != "md")
             facts = model_facts(llm)
             if args.explain:
