@@ -277,6 +277,15 @@ def test_mla_latents_and_expand(ctype):
     want_k = np.concatenate([heads[:, :, :Dn], np.repeat(stored[:, None, R:], H, 1)], -1)
     assert np.array_equal(keys.view(np.float16), want_k.astype(np.float16))
     assert np.array_equal(values.view(np.float16), heads[:, :, Dn:].astype(np.float16))
+    # rows from `first` (a batch's own rows after the tokens cached before it)
+    first, m = 3, 4
+    lat2 = np.empty((m, R), np.float32)
+    mla.latents(lat2, cache, R + Dr, first)
+    assert np.array_equal(lat2, stored[first:first + m, :R])
+    keys2, values2 = np.zeros((12, H, Dn + Dr), np.uint16), np.zeros((12, H, Dv), np.uint16)
+    mla.expand(keys2, values2, kv[first:first + m], cache, R + Dr, first)
+    assert np.array_equal(keys2[first:first + m], keys[first:first + m]) and not keys2[:first].any()
+    assert np.array_equal(values2[first:first + m], values[first:first + m]) and not values2[first + m:].any()
 
 
 def test_cache_overflow_raises():

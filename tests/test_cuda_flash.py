@@ -148,6 +148,16 @@ def test_mla_latents_and_expand():
     want_k = np.concatenate([heads[:, :, :Dn], np.repeat(rows[:, :, R:].astype(np.float32), H, 1)], -1)
     assert np.array_equal(keys.copy_to_host().view(np.float16), want_k.astype(np.float16))
     assert np.array_equal(values.copy_to_host().view(np.float16), heads[:, :, Dn:].astype(np.float16))
+    # rows from the first of a batch's device positions (what a recorded graph reads)
+    pos = dev(np.array([2, 3, 4], np.int32))
+    lat2 = cuda.device_array((3, R), np.float32)
+    mla.latents(lat2, dev(rows.view(np.uint16)), R + Dr, pos)
+    assert np.array_equal(lat2.copy_to_host(), rows[2:, 0, :R].astype(np.float32))
+    keys2, values2 = dev(np.zeros((n, H, Dn + Dr), np.uint16)), dev(np.zeros((n, H, Dv), np.uint16))
+    mla.expand(keys2, values2, dev(kv[2:]), dev(rows.view(np.uint16)), R + Dr, pos)
+    k2, v2 = keys2.copy_to_host(), values2.copy_to_host()
+    assert np.array_equal(k2[2:], keys.copy_to_host()[2:]) and not k2[:2].any()
+    assert np.array_equal(v2[2:], values.copy_to_host()[2:]) and not v2[:2].any()
 
 
 @pytest.mark.parametrize("pos0,H,Dh,splits,warps", [

@@ -84,3 +84,20 @@ def test_mla_expanded_prompts_on_the_gpu(tiny_model, monkeypatch):
         assert close(llm.eval(part), ref.eval(part), rel=3e-3)
     assert llm.backends["CUDA0"].attn_paths[(cut, llm.cfg.qk_nope_dim + llm.cfg.n_rot)].startswith(
         "flash, MLA expanded")
+
+
+def test_mla_expanded_attention_is_recorded(tiny_model, monkeypatch):
+    """All on the GPU, a prompt batch's expanded MLA attention (its own rows' keys and values,
+    the attention) is recorded with the rest of its layer's CUDA graph; only the keys of the
+    tokens cached before the batch, whose count the host knows at each call, are a step
+    outside the graphs (one a layer, launching nothing for a batch at position 0)."""
+    from nbmoe import config
+    from nbmoe.cuda.graphs import GraphRun
+    monkeypatch.setattr(config, "MLA_EXPAND_MIN_TOKENS", 3)
+    llm = load(_family_model(tiny_model, "deepseek2"), n_gpu_layers=99)
+    assert llm.mla_expands(6)
+    plan = llm.plan(6, 1)
+    recorded = [label for s in plan.steps if isinstance(s, GraphRun) for label in s.labels]
+    plain = [label for s, label in zip(plan.steps, plan.labels) if not isinstance(s, GraphRun)]
+    assert recorded.count(("CUDA0", "ATTN")) == llm.cfg.n_layer
+    assert plain.count(("CUDA0", "ATTN")) == llm.cfg.n_layer

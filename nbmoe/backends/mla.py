@@ -2,19 +2,21 @@
 same on every backend: store the batch's cache rows, give every cached token its per-head key
 and value (the backend's mla kernels and one product with attn_kv_b, loader/mla.py), attend.
 
-The cached tokens' count, pos0 + T, changes from batch to batch, so the step sizes its work on
-the host at each call and is never recorded into a CUDA graph (step.eager). Its scratch arrays
-(the latents, the product, the keys and values: f16 bits, as a cache) hold the whole cache and
-are shared by the layers of a backend.
+Two steps, so that a batch's launches can be recorded into a CUDA graph:
+  the tokens cached before the batch (pos0 of them, a count the host knows at each call and a
+  recording would freeze) get their keys and values in a step launched as it runs, before
+  the graph's part (`step.before`; nothing when the batch starts its sequence);
+  the batch's own rows (T, fixed, found on the device from its positions) and the attention
+  are the node's step, recorded like any other.
+Their scratch arrays (the latents, the product, the keys and values: f16 bits, as a cache)
+hold the whole cache and are shared by the layers of a backend.
 """
 import numpy as np
 
 
-def _scratch(be, C, H, R, Dn, Dk, Dv):
-    key = (C, H, R, Dn, Dk, Dv)
+def _scratch(be, key, shapes):
     if key not in be.mla_scratch:
-        be.mla_scratch[key] = (be.alloc((C, R), np.float32), be.alloc((C, H * (Dn + Dv)), np.float32),
-                               be.alloc((C, H, Dk), np.uint16), be.alloc((C, H, Dv), np.uint16))
+        be.mla_scratch[key] = tuple(be.alloc(shape, dtype) for shape, dtype in shapes)
     return be.mla_scratch[key]
 
 
@@ -30,19 +32,29 @@ def bind_expanded_attn(be, node, buf, state):
     K = kv.shape[2]                                               # the cache row: [latent, k_pe]
     R = K - (Dk - Dn)
     C = state.kv.k[layer].shape[0]
-    lat, prod, keys, values = _scratch(be, C, H, R, Dn, Dk, Dv)
+    f32, f16 = np.float32, np.uint16
+    lat, prod, keys, values = _scratch(be, ("cache", C, H, R, Dn, Dk, Dv), [
+        ((C, R), f32), ((C, H * (Dn + Dv)), f32), ((C, H, Dk), f16), ((C, H, Dv), f16)])
+    lat_b, prod_b = _scratch(be, ("batch", T, H, R, Dn, Dv), [((T, R), f32), ((T, H * (Dn + Dv)), f32)])
     be.attn_paths[(T, Dk)] = f"flash, MLA expanded (keys {Dk}, values {Dv} wide)"   # --explain
     attn, mm, mla = be.attn, be.mm, be.mla
     on_device = be.positions_on_device
 
+    def cached_before():
+        n = state.pos0
+        if n:
+            kc = state.kv.k[layer]
+            mla.latents(lat[:n], kc, K)
+            mm.mul_mat(prod[:n], w, lat[:n], qtype)
+            mla.expand(keys, values, prod[:n], kc, K)
+
     def run():
         kc = state.kv.k[layer]
-        p = pos if on_device else state.pos0
+        p = pos if on_device else state.pos0          # the batch's rows start at p (p[0])
         attn.store_kv(kc, kc, kv, kv, p)
-        n = state.pos0 + T
-        mla.latents(lat[:n], kc[:n], K)
-        mm.mul_mat(prod[:n], w, lat[:n], qtype)
-        mla.expand(keys[:n], values[:n], prod[:n], kc[:n], K)
+        mla.latents(lat_b, kc, K, p)
+        mm.mul_mat(prod_b, w, lat_b, qtype)
+        mla.expand(keys, values, prod_b, kc, K, p)
         attn.attention(out, q, keys, values, p, scale, 0, fa=True)
-    run.eager = True
+    run.before = cached_before
     return run

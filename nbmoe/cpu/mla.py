@@ -17,32 +17,34 @@ from .kv_rows import load_row
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def latents(lat, cache, K):
-    """lat [n, R] float32 = the latents of cache rows 0 .. n - 1 (cache [C, 1, row] of K = R +
-    Dr values, any type)."""
+def latents(lat, cache, K, first=0):
+    """lat [n, R] float32 = the latents of cache rows first .. first + n - 1 (cache [C, 1, row]
+    of K = R + Dr values, any type)."""
     n, R = lat.shape
     for j in prange(n):
         row = np.empty(K, np.float32)
-        load_row(row, cache[j, 0])
+        load_row(row, cache[first + j, 0])
         lat[j, :] = row[:R]
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def expand(kexp, vexp, kv, cache, K):
-    """kexp [n, H, Dn + Dr], vexp [n, H, Dv] (f16 bits) from kv [n, H * (Dn + Dv)] float32 (the
-    product) and the k_pe of cache rows 0 .. n - 1 (their last Dr of K values)."""
-    n, H, Dk = kexp.shape
+def expand(kexp, vexp, kv, cache, K, first=0):
+    """Rows first .. first + n - 1 of kexp [C, H, Dn + Dr] and vexp [C, H, Dv] (f16 bits) from
+    kv [n, H * (Dn + Dv)] float32 (the product) and the k_pe of the same cache rows (their
+    last Dr of K values)."""
+    n = kv.shape[0]
+    H, Dk = kexp.shape[1], kexp.shape[2]
     Dv = vexp.shape[2]
     Dn = kv.shape[1] // H - Dv
     R = K - (Dk - Dn)
     for j in prange(n):
         row = np.empty(K, np.float32)
-        load_row(row, cache[j, 0])
+        load_row(row, cache[first + j, 0])
         for h in range(H):
             src = kv[j, h * (Dn + Dv):(h + 1) * (Dn + Dv)]
             for d in range(Dn):
-                kexp[j, h, d] = f32_to_f16(src[d])
+                kexp[first + j, h, d] = f32_to_f16(src[d])
             for d in range(Dk - Dn):
-                kexp[j, h, Dn + d] = f32_to_f16(row[R + d])
+                kexp[first + j, h, Dn + d] = f32_to_f16(row[R + d])
             for d in range(Dv):
-                vexp[j, h, d] = f32_to_f16(src[Dn + d])
+                vexp[first + j, h, d] = f32_to_f16(src[Dn + d])

@@ -299,10 +299,15 @@ def make_plan(graph, backends, state, weight_backend=lambda name: "CPU", policy=
         if getattr(step, "skip", False):      # a fused group's member: another step does it
             continue
         label = (node.backend, getattr(step, "label", node.op))
+        before = getattr(step, "before", None)     # an unrecorded step ahead of this one
+        if before is not None:
+            steps.append(before)
+            runs_on.append(node.backend)
+            labels.append(label)
         if node.cause == "zc":
             deferred.append((step, label, node.backend, node.outs))
             continue
-        if graph_mode and node.backend != "CPU" and node.cause != "off" and not getattr(step, "eager", False):
+        if graph_mode and node.backend != "CPU" and node.cause != "off":
             record_on[len(steps)] = node.backend
         steps.append(step)
         runs_on.append(node.backend)
@@ -399,8 +404,8 @@ def _split_inputs(nodes, start):
 def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
     """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
     waits for its GPU at the end: the host reads or rewrites the pinned buffers next, unless
-    the next step is an unrecorded launch on the same GPU's stream, such as MLA's expanded
-    attention, which the stream orders after it). A run of zc steps (`ahead`) is a graph the
+    the next step is an unrecorded launch on the same GPU's stream, such as an offloaded
+    product or MLA's keys of the tokens cached before a batch, which the stream orders after it). A run of zc steps (`ahead`) is a graph the
     host does not wait for, launched together with the run before it (_LaunchAhead)."""
     out_steps, out_labels, out_on, i = [], [], [], 0
     while i < len(steps):
