@@ -110,8 +110,8 @@ def main(argv=None):
         llm = None
         for c in configs(args):
             ngl, ub, rtr = c["ngl"], c["ub"], c["rtr"]
-            llm = None      # the previous model's memory (and repacked copies) go first,
-            gc.collect()    # now: not inside a later test (unpinning its RAM takes a while)
+            llm = None      # the previous model's memory (and repacked copies) go first, and
+            gc.collect()    # now: its reference cycles freed inside a timed test would slow it
             llm = load_config(path, args, c, need, threads_list[0], quiet=args.output != "md")
             facts = model_facts(llm)
             if args.explain:

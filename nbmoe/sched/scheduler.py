@@ -405,8 +405,9 @@ def _graph_runs(steps, labels, runs_on, record_on, backends, ahead=()):
     """Replace each run of consecutive steps recordable on one GPU by one graph replay (which
     waits for its GPU at the end: the host reads or rewrites the pinned buffers next, unless
     the next step is an unrecorded launch on the same GPU's stream, such as an offloaded
-    product or MLA's keys of the tokens cached before a batch, which the stream orders after it). A run of zc steps (`ahead`) is a graph the
-    host does not wait for, launched together with the run before it (_LaunchAhead)."""
+    product or MLA's keys of the tokens cached before a batch, which the stream orders after
+    it). A run of zc steps (`ahead`) is a graph the host does not wait for, launched together
+    with the run before it (_LaunchAhead)."""
     out_steps, out_labels, out_on, i = [], [], [], 0
     while i < len(steps):
         gpu = record_on.get(i)
