@@ -132,3 +132,22 @@ def test_timeline_tool_times_each_tensor(capsys):
     for r in tl.runs:
         assert sorted(r["up"]) == sorted(r["fill"]) == sorted(r["end"]) == list(range(3 * LAYERS))
     assert capsys.readouterr().out.count("span") == 3     # two runs and the mean
+
+
+@pytest.mark.parametrize("expert_bytes", [200, 100, 50, 25])     # words of 8, 4, 2, 1 bytes
+def test_fill_chosen_copies_chosen_experts_not_held(expert_bytes):
+    """cuda/expert_fill.py alone: dst[e] becomes src[e] byte for byte for each expert chosen in
+    ids and not held; every other expert keeps its bytes (NumPy's indexing as the reference).
+    25 words an expert: more than the simulator's grid strides over, several times."""
+    from numba import cuda
+    from nbmoe.cuda import expert_fill
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, (6, expert_bytes), dtype=np.uint8)
+    before = rng.integers(0, 256, (6, expert_bytes), dtype=np.uint8)
+    ids = np.array([[0, 3], [3, 5], [1, 3]], np.int32)
+    held = np.array([0, 1, 0, 0, 0, 0], np.int32)             # expert 1: chosen, but held
+    dst = cuda.to_device(before)
+    expert_fill.fill_chosen(dst, cuda.to_device(src), cuda.to_device(ids), cuda.to_device(held))
+    want = before.copy()
+    want[[0, 3, 5]] = src[[0, 3, 5]]
+    assert np.array_equal(dst.copy_to_host(), want)
