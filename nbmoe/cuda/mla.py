@@ -9,19 +9,21 @@ CUDA graph (backends/mla.py).
 import numpy as np
 from numba import cuda
 
+from . import device_id
 from .kv_rows import write_view
 from .ops import THREADS, _blocks
 
 f32 = np.float32
-_first_rows = {}       # int -> a device int32 [1] holding it
+_first_rows = {}       # (GPU, int) -> a device int32 [1] holding it
 
 
 def _first(first):
     """first as a device int32 array whose element 0 is the first row."""
     if isinstance(first, (int, np.integer)):
-        if first not in _first_rows:
-            _first_rows[first] = cuda.to_device(np.array([first], np.int32))
-        return _first_rows[first]
+        key = (device_id(), int(first))
+        if key not in _first_rows:
+            _first_rows[key] = cuda.to_device(np.array([first], np.int32))
+        return _first_rows[key]
     return first
 
 
