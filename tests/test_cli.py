@@ -260,3 +260,16 @@ def test_chat_more_threads_and_output_closed_early(moe_model):
     assert p.wait(timeout=600) != 0 and "Traceback" not in err, err
     warned = [ln for ln in err.splitlines() if ln.startswith("warning:")]
     assert len(warned) == 1 and "64 threads asked" in warned[0], err
+
+
+def test_bench_times_without_the_cycle_collector(monkeypatch):
+    """The timed repetitions run with Python's cycle collector off (a full pass over a loaded
+    model's objects takes 0.1-0.4 s), the warm-ups with it on, and it is on again after."""
+    import gc
+    from types import SimpleNamespace
+    from nbmoe.cli import bench
+    seen = []
+    monkeypatch.setattr(bench, "run_pp", lambda *a: seen.append(gc.isenabled()) or 1.0)
+    args = SimpleNamespace(batch_size=512, repetitions=3)
+    assert bench.run_test(None, "pp", 16, args, None) == [1.0, 1.0, 1.0]
+    assert seen == [True, True, False, False, False] and gc.isenabled()
