@@ -124,14 +124,16 @@ def test_timeline_tool_times_each_tensor(capsys):
         tl.on = True
         for _ in range(2):
             run_plan(uploads, ids_dev, choices, hosts)
-        tl.report(1e9)
+        tl.report(1e9, 5e8)
     finally:
         uninstall()
     assert expert_uploads.ExpertUploads.wait.__name__ == "wait"
     assert len(tl.runs) == 2
     for r in tl.runs:
         assert sorted(r["up"]) == sorted(r["fill"]) == sorted(r["end"]) == list(range(3 * LAYERS))
-    assert capsys.readouterr().out.count("span") == 3     # two runs and the mean
+    out = capsys.readouterr().out
+    assert out.count("span ") == 3                         # two runs and the mean
+    assert "0.50 GB uploaded ahead and 0.25 GB filled a micro-batch" in out
 
 
 @pytest.mark.parametrize("expert_bytes", [200, 100, 50, 25])     # words of 8, 4, 2, 1 bytes

@@ -14,6 +14,7 @@ products' stream) and its product's end. Per micro-batch, from the first upload'
   wait      time the products' stream stood waiting for an upload (it had reached the
             tensor's product before the tensor was there)
   host      the host's time in the uploads' bookkeeping, less its waits for a router's choice
+and, as means, the GB uploaded ahead and filled a micro-batch and their rate over the span.
 
 A span near `link` is the link's pace; near `wait` + the products, the uploads arrive late;
 `host` near the span, the host cannot queue work fast enough.
@@ -106,9 +107,10 @@ class Timeline:
         cls._upload, cls._complete, cls._copy = _upload, _complete, _copy_timed
         return uninstall
 
-    def report(self, ahead_bytes):
+    def report(self, ahead_bytes, filled_bytes=0.0):
         """One line a micro-batch (milliseconds from the products' stream reaching the first
-        expert product, or the first upload's start if earlier), then their means."""
+        expert product, or the first upload's start if earlier), then their means; the bytes
+        are the runs' totals (ahead: the copy stream's; filled: the missed experts')."""
         rows = []
         for r in self.runs:
             if 0 not in r["ready"] or not r["end"]:
@@ -129,9 +131,11 @@ class Timeline:
             print(f"  span {span:7.1f}  link {link:7.1f} ({gb / link * 1e3 if link > 0 else 0:5.1f} GB/s)"
                   f"  fill {fill:6.1f}  wait {wait:6.1f}")
         m = np.mean(rows, axis=0)
+        filled = filled_bytes / len(rows) / 1e9
         print(f"  mean: span {m[0]:.1f} ms, link {m[1]:.1f}, fill {m[2]:.1f}, wait {m[3]:.1f}; "
-              f"{gb:.2f} GB uploaded ahead a micro-batch; host {self.host / len(rows) * 1e3:.1f} ms "
-              f"a micro-batch in the uploads' bookkeeping")
+              f"{gb:.2f} GB uploaded ahead and {filled:.2f} GB filled a micro-batch "
+              f"({(gb + filled) / m[0] * 1e3 if m[0] > 0 else 0:.1f} GB/s over PCIe in the span); "
+              f"host {self.host / len(rows) * 1e3:.1f} ms a micro-batch in the uploads' bookkeeping")
 
 
 def main():
@@ -155,9 +159,10 @@ def main():
     ts = [a.p / run_pp(llm, a.p, 2048, rng) for _ in range(a.runs)]
     gpu.cuda.synchronize()
     tl.on = False
+    uploaded = gpu.uploaded_bytes - before     # (reading it counts the last run's fills first)
     missed = gpu.last_expert_uploads.missed_bytes - missed
     print(f"pp{a.p} at ub {a.ub}: {np.mean(ts):.1f} +- {np.std(ts):.1f} t/s")
-    tl.report(gpu.uploaded_bytes - before - missed)
+    tl.report(uploaded - missed, missed)
 
 
 if __name__ == "__main__":
