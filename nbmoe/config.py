@@ -91,6 +91,9 @@ PROMPT_GRAPHS = not env_flag("NBMOE_NO_PROMPT_GRAPHS", False)
 OFFLOADED_PROMPT_GRAPHS = not env_flag("NBMOE_NO_OFFLOADED_PROMPT_GRAPHS", False)
 # NBMOE_NO_PIN=1: upload offloaded weights from the pageable file mapping (no page-locking).
 PIN = not env_flag("NBMOE_NO_PIN", False)
+# NBMOE_PROFILE_TIMED=1: the bench's timed repetitions run inside cuProfilerStart/Stop, so
+# `ncu --profile-from-start off` profiles those alone (tools/ncu_summary.py).
+PROFILE_TIMED = env_flag("NBMOE_PROFILE_TIMED", False)
 # NBMOE_NO_MAPPED=1: hybrid decoding copies its small crossings instead of mapping host memory.
 MAPPED = not env_flag("NBMOE_NO_MAPPED", False)
 

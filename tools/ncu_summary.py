@@ -4,6 +4,9 @@ On the GPU machine (ncu, no nsys), e.g. the kernels of one decode token, after w
   ncu --metrics gpu__time_duration.sum --csv --launch-skip 2000 --launch-count 700 \\
       python -m nbmoe.bench -m MODEL -ngl 99 -p 0 -n 8 -r 1 --no-bandwidth > k.csv
   python tools/ncu_summary.py k.csv [--per N]   (N: tokens the launches cover, for per-token)
+The bench's timed repetitions alone (NBMOE_PROFILE_TIMED, nbmoe/config.py):
+  NBMOE_PROFILE_TIMED=1 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+      python -m nbmoe.bench -m MODEL -ngl 99 -p 512 -n 0 -r 1 --no-bandwidth > k.csv
 The sum is device-busy time; a token's wall time minus it is launch gaps and host waits.
 """
 import argparse

@@ -12,6 +12,7 @@ GB/s, next to the streaming read bandwidth measured right after the test; with a
 column counts all weights, wherever they are read.
 """
 import argparse
+import contextlib
 import gc
 import os
 import platform
@@ -95,9 +96,30 @@ def run_test(llm, kind, n, args, rng, depth=0):
     gc.collect()
     gc.disable()
     try:
-        return [fn() for _ in range(args.repetitions)]
+        with profiled(any(b != "CPU" for b in llm.backends)):
+            return [fn() for _ in range(args.repetitions)]
     finally:
         gc.enable()
+
+
+@contextlib.contextmanager
+def profiled(gpu):
+    """With config.PROFILE_TIMED and a GPU: the CUDA profiler's range around the timed runs."""
+    from nbmoe import config
+    if not (gpu and config.PROFILE_TIMED):
+        yield
+        return
+    from numba import cuda
+    if not hasattr(cuda, "profile_start"):      # Numba's CUDA simulator
+        yield
+        return
+    cuda.synchronize()
+    cuda.profile_start()
+    try:
+        yield
+    finally:
+        cuda.synchronize()
+        cuda.profile_stop()
 
 
 def main(argv=None):
