@@ -271,5 +271,27 @@ def test_bench_times_without_the_cycle_collector(monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "run_pp", lambda *a: seen.append(gc.isenabled()) or 1.0)
     args = SimpleNamespace(batch_size=512, repetitions=3)
-    assert bench.run_test(None, "pp", 16, args, None) == [1.0, 1.0, 1.0]
+    assert bench.run_test(SimpleNamespace(backends={"CPU": None}), "pp", 16, args, None) == [1.0, 1.0, 1.0]
     assert seen == [True, True, False, False, False] and gc.isenabled()
+
+
+def test_bench_profiles_the_timed_runs_alone(monkeypatch):
+    """NBMOE_PROFILE_TIMED with a GPU: the profiler's range opens after the warm-ups and closes
+    after the last timed run (ncu --profile-from-start off then sees those alone)."""
+    from types import SimpleNamespace
+    from numba import cuda
+    from nbmoe import config
+    from nbmoe.cli import bench
+    seen = []
+    monkeypatch.setattr(config, "PROFILE_TIMED", True)
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "profile_start", lambda: seen.append("start"), raising=False)
+    monkeypatch.setattr(cuda, "profile_stop", lambda: seen.append("stop"), raising=False)
+    monkeypatch.setattr(bench, "run_pp", lambda *a: seen.append("run") or 1.0)
+    args = SimpleNamespace(batch_size=512, repetitions=2)
+    llm = SimpleNamespace(backends={"CUDA0": None, "CPU": None})
+    assert bench.run_test(llm, "pp", 16, args, None) == [1.0, 1.0]
+    assert seen == ["run", "run", "start", "run", "run", "stop"]
+    seen.clear()
+    bench.run_test(SimpleNamespace(backends={"CPU": None}), "pp", 16, args, None)
+    assert seen == ["run"] * 4

@@ -96,21 +96,19 @@ def run_test(llm, kind, n, args, rng, depth=0):
     gc.collect()
     gc.disable()
     try:
-        with profiled(any(b != "CPU" for b in llm.backends)):
+        with profiled(llm):
             return [fn() for _ in range(args.repetitions)]
     finally:
         gc.enable()
 
 
 @contextlib.contextmanager
-def profiled(gpu):
+def profiled(llm):
     """With config.PROFILE_TIMED and a GPU: the CUDA profiler's range around the timed runs."""
     from nbmoe import config
-    if not (gpu and config.PROFILE_TIMED):
-        yield
-        return
     from numba import cuda
-    if not hasattr(cuda, "profile_start"):      # Numba's CUDA simulator
+    if not (config.PROFILE_TIMED and any(b != "CPU" for b in llm.backends)
+            and hasattr(cuda, "profile_start")):       # (Numba's CUDA simulator has none)
         yield
         return
     cuda.synchronize()
