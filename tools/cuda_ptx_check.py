@@ -9,6 +9,9 @@ dependency of nbmoe):
     pip install --target /tmp/nvtools nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12
     LD_LIBRARY_PATH=/tmp/nvtools/nvidia/cuda_nvrtc/lib:/tmp/nvtools/nvidia/cuda_nvcc/nvvm/lib64 \
     PYTHONPATH=$PWD:/tmp/nvtools python tools/cuda_ptx_check.py --ptxas /tmp/nvtools/nvidia/cuda_nvcc/bin/ptxas
+--loops lists each loop's PTX instructions (the fill's unit loop, the K loop, the mma loop): a
+count of what an iteration issues, and of its 64-bit integer operations (Numba types int32
+arithmetic as int64; each such PTX operation is two machine instructions).
 With --keep DIR --cuobjdump BIN (BIN from the nvidia-cuda-cuobjdump wheel: unzip it and
 chmod +x its bin/cuobjdump) each kernel's machine code goes to DIR/*.sass too.
 """
@@ -49,6 +52,8 @@ def main():
     ap.add_argument("--cuobjdump", default="", help="cuobjdump binary: also write each kernel's "
                     "machine code (SASS) beside its .ptx in --keep, e.g. to see the order of its loads")
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
+    ap.add_argument("--loops", action="store_true", help="each loop's PTX instructions (its body, run "
+                    "once an iteration): all, 64-bit integer ones (two machine instructions each), mma")
     ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
     ap.add_argument("--kv", default="f16/f16,q8_0/q8_0,bf16/bf16",
                     help="with --flash: the KV cache's key/value types, comma-separated")
@@ -74,8 +79,35 @@ def main():
             ok, info = assemble(ptx, path, a.ptxas, a.cuobjdump)
             print(f"{name:6s} {'id   ' if gather else 'plain'} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
                   f"{'OK' if ok else 'FAILED'} {info}", flush=True)
+            if a.loops:
+                for first, last, n, n64, mma, ldg in ptx_loops(ptx):
+                    print(f"    loop of PTX lines {first}-{last}: {n} instructions, {n64} 64-bit integer, "
+                          f"{mma} mma, {ldg} global loads")
             bad += not ok
     sys.exit(1 if bad else 0)
+
+
+def ptx_loops(ptx):
+    """(first, last, instructions, 64-bit integer ones, mma, global loads) of each loop of a
+    kernel's PTX (a branch back to a label), first and last as instruction numbers."""
+    body, labels = [], {}
+    for line in (s.strip() for s in ptx.splitlines()):
+        if not line or line.startswith(("//", ".", "{", "}")):
+            continue
+        if line.endswith(":"):
+            labels[line[:-1]] = len(body)
+        else:
+            body.append(line.split()[1] if line.startswith("@") else line.split()[0])
+            body[-1] = (body[-1], line)
+    loops = sorted({(labels[m.group(1)], k) for k, (_, line) in enumerate(body)
+                    for m in [re.search(r"bra(?:\.uni)?\s+(\S+);", line)] if m and labels.get(m.group(1), k + 1) <= k})
+    out = []
+    for first, last in loops:
+        ops = [op for op, _ in body[first:last + 1]]
+        n64 = sum(bool(re.search(r"\.[sub]64$", op)) and not op.startswith(("ld", "st", "mov", "cvta")) for op in ops)
+        out.append((first, last, len(ops), n64, sum(op.startswith("mma") for op in ops),
+                    sum(op.startswith("ld.global") for op in ops)))
+    return out
 
 
 def assemble(ptx, path, ptxas, cuobjdump=""):
