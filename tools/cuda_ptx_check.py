@@ -96,9 +96,8 @@ def ptx_loops(ptx):
             continue
         if line.endswith(":"):
             labels[line[:-1]] = len(body)
-        else:
-            body.append(line.split()[1] if line.startswith("@") else line.split()[0])
-            body[-1] = (body[-1], line)
+        else:       # (the opcode, after a predicate if any; the line)
+            body.append((line.split()[1] if line.startswith("@") else line.split()[0], line))
     loops = sorted({(labels[m.group(1)], k) for k, (_, line) in enumerate(body)
                     for m in [re.search(r"bra(?:\.uni)?\s+(\S+);", line)] if m and labels.get(m.group(1), k + 1) <= k})
     out = []

@@ -106,9 +106,10 @@ def run_test(llm, kind, n, args, rng, depth=0):
 def profiled(llm):
     """With config.PROFILE_TIMED and a GPU: the CUDA profiler's range around the timed runs."""
     from nbmoe import config
-    from numba import cuda
-    if not (config.PROFILE_TIMED and any(b != "CPU" for b in llm.backends)
-            and hasattr(cuda, "profile_start")):       # (Numba's CUDA simulator has none)
+    cuda = None
+    if config.PROFILE_TIMED and any(b != "CPU" for b in llm.backends):
+        from numba import cuda     # (not imported for a CPU-only model: ~0.3 s)
+    if not hasattr(cuda, "profile_start"):      # none wanted, or Numba's CUDA simulator (no profiler)
         yield
         return
     cuda.synchronize()
