@@ -177,6 +177,9 @@ if SIM:
     def ld_i32(a, base, off):
         return _bytes_at(a, base, off, 4).view(np.int32)[0]
 
+    def ld_u64(a, base, off):
+        return _bytes_at(a, base, off, 8).view(np.uint64)[0]
+
     def ld_f16(a, base, off):
         return np.float32(_bytes_at(a, base, off, 2).view(np.float16)[0])
 
@@ -239,6 +242,7 @@ else:
     _LD = {  # kind: (LLVM type loaded, numba type returned)
         "u8": (ir.IntType(8), types.uint32), "u16": (ir.IntType(16), types.uint32),
         "u32": (ir.IntType(32), types.uint32), "i32": (ir.IntType(32), types.int32),
+        "u64": (ir.IntType(64), types.uint64),
         "f16": (ir.HalfType(), types.float32), "f32": (ir.FloatType(), types.float32),
     }
 
@@ -272,7 +276,8 @@ else:
             return ret(a, base, off), codegen
         return ld
 
-    ld_u8, ld_u16, ld_u32, ld_i32, ld_f16, ld_f32 = (_loader(k) for k in ("u8", "u16", "u32", "i32", "f16", "f32"))
+    ld_u8, ld_u16, ld_u32, ld_i32, ld_u64, ld_f16, ld_f32 = (
+        _loader(k) for k in ("u8", "u16", "u32", "i32", "u64", "f16", "f32"))
 
     def _storer(nb_type, ll_type):
         @intrinsic
@@ -331,6 +336,13 @@ else:
         v = max(v, shfl_xor(v, 2))
         v = max(v, shfl_xor(v, 1))
         return v
+
+
+@device_fn
+def ld_u32x2(a, base, off):
+    """Two 32-bit little-endian words at an 8-aligned offset, in one load (bytes 0..3, 4..7)."""
+    v = ld_u64(a, base, off)
+    return np.uint32(v & np.uint64(0xFFFFFFFF)), np.uint32(v >> np.uint64(32))
 
 
 @device_fn

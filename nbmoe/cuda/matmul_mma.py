@@ -82,9 +82,10 @@ def i2f(c):
 #
 # Block: NTH = 32 * WM * WT threads. Per K step of KB blocks (kb0 = step * KB):
 #  1. all threads fill shared memory: thread tid decodes unit tid % 4 of block (tid % 4 KB) / 4
-#     (8 codes = 2 words) of rows tid / (4 KB) + RSTEP i, and loads x word tid % 8 KB of slots
-#     tid / (8 KB) + JSTEP i: the same share every K step, addressed by byte offsets fixed
-#     before the loop (recomputing it per element cost ~half the kernel's instructions)
+#     (8 codes = 2 words) of rows tid / (4 KB) + RSTEP i, scale slot tid % NS of rows tid / NS +
+#     SCSTEP i (a block's scales once, not by each of its units), and loads x word
+#     tid % 8 KB of slots tid / (8 KB) + JSTEP i: the same share every K step, addressed by byte
+#     offsets fixed before the loop (recomputing it per element cost ~half the kernel's instructions)
 #                    k-step words 0 .. 8 KB - 1 (+ 4 pad)           scales
 #       wc [TM, S]   row i: codes of w row r0 + i, in k order       wd [KB or 2 KB, TM]  d
 #                    (block kb = words 8 kb .. 8 kb + 7)            wm [KB, TM]          m
@@ -122,9 +123,12 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
     JSTEP = NTH // KW                      # slots apart of a thread's x words
     NX = TT // JSTEP                       # x words a thread loads a K step
     SSTEP = NTH // KB                      # slots apart of a thread's x scales
+    SPB = NS // KB                         # weight scales a block (2: one a 16-value half)
+    SCSTEP = NTH // NS                     # rows apart of a thread's weight scales
+    NSC = (TM + SCSTEP - 1) // SCSTEP      # weight scales a thread decodes a K step
     NSX = (TT + SSTEP - 1) // SSTEP
     min_blocks = min_blocks or MIN_BLOCKS
-    assert NTH % UQ == 0 and TM % RSTEP == 0 and NTH % KW == 0 and TT % JSTEP == 0
+    assert NTH % UQ == 0 and TM % RSTEP == 0 and NTH % KW == 0 and TT % JSTEP == 0 and NTH % NS == 0
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, min_blocks))))
@@ -174,9 +178,18 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             w0, w1 = unit_words(kbu, uu, split)
             wa0 = 4 * (rr0 * S + w0)                 # wc byte offsets of the thread's first row
             wa1 = 4 * (rr0 * S + w1)
-            dsa = 4 * ((2 * kbu + (uu >> 1) if per16 else kbu) * TM + rr0)    # wd, wm
-            msa = 4 * (kbu * TM + rr0)
-            store_d = (uu & 1) == 0 if per16 else uu == 0
+            rfirst = (rbase + r0 + rr0) * RB         # weight byte offsets: the first row, the
+            rlast = (rbase + M - 1) * RB             # tile's last, rows apart
+            rstep = RSTEP * RB
+            # and the scales' share: scale slot ss (block and 16-value half) of rows sr0 +
+            # SCSTEP i, decoded once, not by each of the slot's units (a warp's lanes read a
+            # few rows' blocks side by side, not 32 rows' lines)
+            ss = tid % NS
+            sr0 = tid // NS
+            sb = ss // SPB                           # its block in the K step
+            sunit = 2 * (ss % SPB)                   # unit 2 h: the codes go unused there
+            sfirst = (rbase + r0 + sr0) * RB
+            sstep = SCSTEP * RB
             xw = tid % KW
             xj0 = tid // KW
             xsj0 = tid // KB
@@ -196,19 +209,20 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                 nkb = min(KB, kbe - kb0)
                 # 1. weight units -> codes and scales; x words and scales
                 if kbu < nkb:
-                    for i in range(NU):
-                        rr = rr0 + RSTEP * i
-                        base = (rbase + min(r0 + rr, M - 1)) * RB
-                        c0, c1, d, m4 = idec(w, base, kb0 + kbu, uu)
+                    for i in range(NU):                  # the scales go unused: compiled out
+                        c0, c1, _, _ = idec(w, min(rfirst + rstep * i, rlast), kb0 + kbu, uu)
                         if signed:
                             c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
                             c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
                         st_i32(wc, 0, wa0 + 4 * RSTEP * S * i, c0)
                         st_i32(wc, 0, wa1 + 4 * RSTEP * S * i, c1)
-                        if store_d:
-                            st_f32(wd, 0, dsa + 4 * RSTEP * i, d)
-                            if has_m:                   # (never per16: asserted above)
-                                st_f32(wm, 0, msa + 4 * RSTEP * i, f32(4.0) * m4)   # idec: m / 4
+                for i in range(NSC):
+                    sr = sr0 + SCSTEP * i
+                    if sr < TM and sb < nkb:
+                        _, _, d, m4 = idec(w, min(sfirst + sstep * i, rlast), kb0 + sb, sunit)
+                        wd[ss, sr] = d
+                        if has_m:                        # (never per16: asserted above)
+                            wm[ss, sr] = f32(4.0) * m4   # idec: m / 4
                 xok = (xw >> 3) < nkb
                 for i in range(NX):                  # all loads first, then the stores
                     xv[i] = ld_i32(xq, xrs[i] * K, 4 * (8 * kb0 + xw)) if xrs[i] >= 0 and xok else i32(0)

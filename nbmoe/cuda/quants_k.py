@@ -37,7 +37,7 @@ and the int8 path's offset term is per 32-value block.
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import device_fn, ld_f16, ld_u8, ld_u32, ld_u32_a2
+from . import device_fn, ld_f16, ld_u8, ld_u32, ld_u32_a2, ld_u32x2
 from .quants import F23, F23_32, F23_128, LOW_NIBBLES, SIGN_BYTES, ZERO, QType, affine8, byte_f32, register
 
 Q2_K = int(GGMLQuantizationType.Q2_K)
@@ -64,6 +64,13 @@ def field8(w, base, o, sh, mask):
     """The same bit field of 8 consecutive bytes at o (4-aligned) as two words (bytes 0..3,
     4..7): (word >> sh) & mask."""
     return (ld_u32(w, base, o) >> sh) & mask, (ld_u32(w, base, o + 4) >> sh) & mask
+
+
+@device_fn
+def field8_a8(w, base, o, sh, mask):
+    """field8 at an 8-aligned o (blocks of 144 and 176 bytes): one 64-bit load."""
+    lo, hi = ld_u32x2(w, base, o)
+    return (lo >> sh) & mask, (hi >> sh) & mask
 
 
 @device_fn
@@ -117,7 +124,7 @@ def q4_k_unit(w, base, b, u):
     o = 144 * (b >> 3)
     j = b & 7
     sc, m = k_scale_min(w, base, o + 4, j)
-    c0, c1 = field8(w, base, o + 16 + 32 * (j >> 1) + 8 * u, u32(4 * (j & 1)), LOW_NIBBLES)
+    c0, c1 = field8_a8(w, base, o + 16 + 32 * (j >> 1) + 8 * u, u32(4 * (j & 1)), LOW_NIBBLES)
     return c0, c1, ld_f16(w, base, o) * sc, ld_f16(w, base, o + 2) * m
 
 
@@ -126,8 +133,8 @@ def q5_k_unit(w, base, b, u):
     o = 176 * (b >> 3)
     j = b & 7
     sc, m = k_scale_min(w, base, o + 4, j)
-    q0, q1 = field8(w, base, o + 48 + 32 * (j >> 1) + 8 * u, u32(4 * (j & 1)), LOW_NIBBLES)
-    h0, h1 = field8(w, base, o + 16 + 8 * u, u32(j), LOW_BITS)
+    q0, q1 = field8_a8(w, base, o + 48 + 32 * (j >> 1) + 8 * u, u32(4 * (j & 1)), LOW_NIBBLES)
+    h0, h1 = field8_a8(w, base, o + 16 + 8 * u, u32(j), LOW_BITS)
     return q0 | (h0 << u32(4)), q1 | (h1 << u32(4)), ld_f16(w, base, o) * sc, ld_f16(w, base, o + 2) * m
 
 
