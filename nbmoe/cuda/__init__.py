@@ -21,7 +21,7 @@ simulator (NUMBA_ENABLE_CUDASIM=1, which the CPU-only CI uses):
   rintf(x)           float32 round half to even (libdevice rintf)
   dp4a(a, b, c)      c + the dot product of the 4 signed bytes of int32 a and b: one PTX
                      dp4a.s32.s32 (inline assembly: Numba has no intrinsic for it)
-  ld_u8 / ld_u16 / ld_u32 / ld_i32 / ld_f16 / ld_f32 (a, base, off)
+  ld_u8 / ld_u16 / ld_u32 / ld_i32 / ld_u64 / ld_f16 / ld_f32 (a, base, off)
                      the value at byte offset base + off of array a's data, whatever a's dtype
                      and shape (C-contiguous): unsigned ones as uint32, f16 converted to
                      float32 in hardware. base is a 64-bit row offset, off a 32-bit offset in
@@ -29,6 +29,7 @@ simulator (NUMBA_ENABLE_CUDASIM=1, which the CPU-only CI uses):
                      a[i, j] costs ~10 64-bit instructions a load. The loads must be aligned
                      to their size (the simulator checks).
   ld_u32_a2(a, base, off)  a 32-bit word at a 2-byte aligned offset (two 16-bit loads)
+  ld_u32x2(a, base, off)   two 32-bit words at an 8-byte aligned offset (one 64-bit load)
   st_f32 / st_i32(a, base, off, v)  store float32 / int32 v there (the same addressing as the loaders)
 And one host-side helper: empty(), EMPTY, the size-0 float32 device array that stands for
 "none" in an optional array argument (attention sinks, routing and product biases).
