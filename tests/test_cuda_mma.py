@@ -4,8 +4,8 @@ simulator (NBMOE_REAL_GPU=1 runs it on the GPU, as test_cuda_kernels.py).
 The primitive: random int8 matrices spread over the 32 lanes' registers by the PTX ISA's
 fragment table (written out here a second time, from the ISA text), each lane's outputs vs
 NumPy's integer product. The products: prompts (T > MMV_MAX_T) of a few block types of each
-layout family (nibbles with an offset, Q8_0, a K-quant with a scale per 16 values, the
-16-level table in super-blocks, MXFP4's byte-aligned blocks) vs float64 NumPy over gguf-py's
+layout family (nibbles with an offset, Q8_0, a K-quant with a min, one with a scale per 16
+values, the 16-level table in super-blocks, MXFP4's byte-aligned blocks) vs float64 NumPy over gguf-py's
 dequantized weights: tight against x rounded to 8 bits as the kernel rounds it, within
 RTOL_X8 of the exact product. Tiles small enough for partial row, token and K steps.
 Run with -s for the table of max relative errors.
@@ -25,7 +25,7 @@ from nbmoe.cuda.mma import mma_s8_16x8x16, mma_s8_16x8x32  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-NAMES = ["Q4_0", "Q8_0", "Q6_K", "IQ4_XS", "MXFP4"]
+NAMES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4"]
 
 
 @pytest.fixture
@@ -126,7 +126,8 @@ def test_mul_mat_mma(name, tiles):
     check_x8(f"mma mul_mat {name}", out.copy_to_host(), x, lambda x_: x_ @ wref.T, True)
 
 
-@pytest.mark.parametrize("name,X,biased,wide", [("Q4_0", 1, False, False), ("Q6_K", 2, False, False),
+@pytest.mark.parametrize("name,X,biased,wide", [("Q4_0", 1, False, False), ("Q4_K", 1, False, False),
+                                                ("Q6_K", 2, False, False),
                                                 ("MXFP4", 1, True, False), ("Q6_K", 2, False, True),
                                                 ("MXFP4", 1, True, True)])
 def test_mul_mat_id_mma(name, X, biased, wide, tiles, monkeypatch):
