@@ -4,10 +4,11 @@ simulator (NBMOE_REAL_GPU=1 runs it on the GPU, as test_cuda_kernels.py).
 The primitive: random int8 matrices spread over the 32 lanes' registers by the PTX ISA's
 fragment table (written out here a second time, from the ISA text), each lane's outputs vs
 NumPy's integer product. The products: prompts (T > MMV_MAX_T) of a few block types of each
-layout family (nibbles with an offset, Q8_0, a K-quant with a min, one with a scale per 16
-values, the 16-level table in super-blocks, MXFP4's byte-aligned blocks) vs float64 NumPy over gguf-py's
-dequantized weights: tight against x rounded to 8 bits as the kernel rounds it, within
-RTOL_X8 of the exact product. Tiles small enough for partial row, token and K steps.
+layout family (4- and 5-bit nibbles with an offset, Q8_0, a K-quant with a min, one with a
+scale per 16 values, the 16-level table in super-blocks, MXFP4's byte-aligned blocks) vs
+float64 NumPy over gguf-py's dequantized weights: tight against x rounded to 8 bits as the
+kernel rounds it, within RTOL_X8 of the exact product. Tiles small enough for partial row,
+token and K steps.
 Run with -s for the table of max relative errors.
 """
 import cuda_setup  # noqa: F401  (selects the simulator before numba.cuda loads; skips without it)
@@ -25,7 +26,7 @@ from nbmoe.cuda.mma import mma_s8_16x8x16, mma_s8_16x8x32  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-NAMES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4"]
+NAMES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4"]
 
 
 @pytest.fixture
