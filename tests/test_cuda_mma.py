@@ -152,6 +152,35 @@ def test_mul_mat_id_mma(name, X, biased, wide, tiles, monkeypatch):
              lambda x_: mul_mat_id_ref(wref, x_, ids) + bias[ids], True)
 
 
+@pytest.mark.parametrize("name,act,biased", [("Q4_0", "silu", False), ("Q4_K", "gelu", False),
+                                             ("Q6_K", "silu", False), ("MXFP4", "swiglu_oai", True)])
+def test_mul_mat_id_mma_glu(name, act, biased, tiles):
+    """A merged gate_up [E, 2F, K] (-muge) with the GLU applied by the product's kernel:
+    out [T, A, F] = act(gate + bg, up + bu) of each pair, F = 20 features (a full and a partial
+    16-feature half tile); nothing is written to the [T, A, 2F] product."""
+    import naive
+    from nbmoe.cuda import ops
+    E, F, A, T, K = 4, 20, 2, 11, _k(name)
+    w, wref = _weights((E, 2 * F), name, seed=8, K=K)
+    ids = np.random.default_rng(9).integers(0, E, (T, A)).astype(np.int32)
+    x = rnd(T, 1, K, seed=10)
+    if act == "swiglu_oai":       # values about the clamp (+-7), not all beyond it (random MXFP4: ~1000)
+        x *= np.float32(4.0 / np.abs(mul_mat_id_ref(wref, x, ids)).max())
+    bias = rnd(E, 2 * F, seed=11) if biased else np.zeros((E, 2 * F), np.float32)
+    code = {"silu": ops.ACT_SILU, "gelu": ops.ACT_GELU, "swiglu_oai": ops.ACT_SWIGLU_OAI}[act]
+    ref_act = {"silu": naive.swiglu, "gelu": naive.geglu, "swiglu_oai": naive.swiglu_oai}[act]
+    unused, out = poisoned((T, A, 2 * F)), poisoned((T, A, F))
+    assert matmul.fuses_glu_id(int(Q[name]), T, K, 2 * F)
+    matmul.mul_mat_id(unused, dev(w), dev(x), dev(ids), int(Q[name]),
+                      bias=dev(bias.ravel()) if biased else None, glu=(out.reshape(T * A, F), code))
+
+    def ref(x_):
+        gu = mul_mat_id_ref(wref, x_, ids) + bias[ids]
+        return ref_act(gu[..., :F], gu[..., F:])
+    check_x8(f"mma mul_mat_id+GLU {name} {act}", out.copy_to_host(), x, ref, True)
+    assert np.isnan(unused.copy_to_host()).all()
+
+
 def test_x_ready_mma(tiles):
     """Two prompt products of one x: the second reuses the first's 8-bit x (x_ready)."""
     M, T, K = 16, 9, 64

@@ -69,6 +69,26 @@ def test_merged_equals_cpu(model, placement, small):
         assert close(llm.eval([5]), ref.eval([5]))
 
 
+def test_prompt_glu_in_the_product(model, monkeypatch, small):
+    """A prompt on the int8 tensor-core tiles: the merged product applies the GLU itself (no
+    GLU launch) and the logits are those of the same products with the GLU run after."""
+    from nbmoe.cuda import matmul as cuda_matmul
+    from nbmoe.cuda import matmul_mma, ops
+    for mod, k, v in ((cuda_matmul, "INT8_DOT", True), (matmul, "INT8_DOT", True), (cuda_matmul, "MMA", True),
+                      (cuda_matmul, "MMV_MAX_T", 2), (matmul_mma, "ID_TILES", ((0, (32, 8, 2, 1, 2)),))):
+        monkeypatch.setattr(mod, k, v)
+    launches = []
+    swiglu = ops.swiglu
+    monkeypatch.setattr(ops, "swiglu", lambda *a, **kw: launches.append(1) or swiglu(*a, **kw))
+    prompt = [17, 3, 9, 30]
+    fused = load(model, n_gpu_layers=99).eval(prompt)
+    assert launches == []
+    monkeypatch.setattr(cuda_matmul, "fuses_glu_id", lambda *a: False)
+    apart = load(model, n_gpu_layers=99).eval(prompt)
+    assert len(launches) == MOE["n_layer"]
+    assert close(fused, apart, rel=1e-5)
+
+
 def test_offloaded_merged_experts(model, monkeypatch, small):
     """A batch over the expert threshold (patched to 1 row: 2 tokens): the merged experts the
     router chose are uploaded (their gate and up rows together) and run on the GPU, and so is

@@ -362,9 +362,11 @@ class CUDABackend(FusionBinders, Backend):
             self.expert_uploads.append(uploads)
         view = self.mapped_view(node.weight) if self.ram_locked and host is t.data else None
         i = uploads.add(host, ids, ids.size, node.weight.split(".")[1], view)
+        cell = {}
+        self.glu_cell(node, buf, qtype, x.shape[0], x.shape[2], host.shape[1], cell)
 
         def run():
             w = uploads.wait(i)
-            mm.mul_mat_id(out, w, x, ids, qtype)
+            mm.mul_mat_id(out, w, x, ids, qtype, glu=cell.get("glu"))
             uploads.done(i)
         return run

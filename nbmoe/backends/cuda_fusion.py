@@ -10,7 +10,10 @@ the node bound next may still change what it does (a recorded graph sees the res
   a prompt's expert products that share their ids: one grouping by expert (_grouped);
   a product, then the ADD_BIAS (ADD_BIAS_ID) of its output (after its twins of the same
   input): the product's kernel adds the bias (matmul.fuses_bias[_id]), the bias's step is
-  empty (_biasable).
+  empty (_biasable);
+  a prompt's merged gate_up product (-muge) [and its bias], then the GLU of its halves: the
+  product's kernel applies the GLU and writes the GLU's output (matmul.fuses_glu_id), the
+  GLU's step is empty (_gluable).
 The input is unchanged in between: any writer would have been bound in between, and a copy
 into it would mean it was not valid here before. `_last` describes the node bound last on
 this GPU, with its buffer table (so nothing fuses across plans): ("add", node, buf, cell),
@@ -38,6 +41,8 @@ class FusionBinders:
         self._prev, self._last = self._last, None
         if self._biasable is None or node.op not in ("MUL_MAT", "MUL_MAT_ID", "ADD_BIAS", "ADD_BIAS_ID"):
             self._biasable = {}
+        if node.op not in ("ADD_BIAS_ID", "GLU"):
+            self._gluable = None
         group = self._groups.get(id(node))
         if group is not None and node is not group[1][0]:
             self._last = self._prev
@@ -112,8 +117,26 @@ class FusionBinders:
         grouped = self._grouped(node, buf, ids, w.shape[0], tile)
         if mm.fuses_bias_id(qtype, x.shape[0], x.shape[2]):
             self._biasable[(id(buf), node.out)] = (node, cell)
+        self.glu_cell(node, buf, qtype, x.shape[0], x.shape[2], w.shape[1], cell)
         return lambda: mm.mul_mat_id(out, w, x, ids, qtype, x_ready=ready, grouped=grouped,
-                                     bias=cell.get("bias"))
+                                     bias=cell.get("bias"), glu=cell.get("glu"))
+
+    # A merged gate_up product bound last (and only its bias since): ((id(buf), output), cell).
+    _gluable = None
+
+    def glu_cell(self, node, buf, qtype, T, K, M, cell):
+        """Offer the GLU of this expert product's halves to its kernel (bind_glu decides)."""
+        if self.mm.fuses_glu_id(qtype, T, K, M):
+            self._gluable = ((id(buf), node.out), cell)
+
+    def bind_glu(self, node, buf, state):
+        found, self._gluable = self._gluable, None
+        if (found is None or len(node.srcs) != 1 or found[0] != (id(buf), node.srcs[0])
+                or not fusion.supported(node, "CUDA")):
+            return super().bind_glu(node, buf, state)
+        F = buf[node.out].shape[len(buf[node.out].shape) - 1]
+        found[1]["glu"] = (buf[node.out].reshape(-1, F), _act(self.fused, node))
+        return lambda: None
 
     # A product's bias, bound after it (and its twins of the same input) while only products
     # and biases were bound in between: (id(buf), output) -> (product node, its step's cell).

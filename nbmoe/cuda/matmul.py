@@ -407,6 +407,12 @@ def fuses_bias_id(qtype, T, K):
     return T > MMV_MAX_T and K % 32 == 0 and MMA and _int8(qtype, K)
 
 
+def fuses_glu_id(qtype, T, K, M):
+    """Whether mul_mat_id of a merged gate_up (M = 2F rows an expert) applies the GLU itself
+    (its glu argument): the tensor-core tiles."""
+    return fuses_bias_id(qtype, T, K) and M % 2 == 0
+
+
 def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
     """out [T, M] = x @ dequant(w)^T for few rows (M < TILED_MIN_M): the tiled kernel with K
     split over grid z into enough blocks for the GPU, then the parts summed in order."""
@@ -422,11 +428,12 @@ def _mul_mat_split_k(out, w, x, qtype, RB, K, stream):
     sum_splits(out, part, Z, stream)
 
 
-def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, bias=None):
+def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, bias=None, glu=None):
     """out [T, A, M] = dequant(w [E, M, row_bytes][ids[t, a]]) @ x[t, a if X == A else 0];
     x [T, X, K], ids int32 [T, A] on the device. grouped: see matmul_tiled.group_by_expert.
     bias (flat [E * M], None or size 0: none): + the chosen expert's row, where
-    fuses_bias_id says."""
+    fuses_bias_id says. glu (glu_out [T * A, M / 2], act code), where fuses_glu_id says: w is
+    a merged gate_up and glu_out gets act(gate, up) (out is not written)."""
     RB, K = _rb_k(w, qtype)
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
@@ -434,6 +441,8 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, bi
     N = T * A
     if bias is not None and bias.shape[0] > 0 and not fuses_bias_id(qtype, T, K):
         raise ValueError(f"mul_mat_id: no kernel adds a bias to a {T}-token product of this type")
+    if glu is not None and not fuses_glu_id(qtype, T, K, M):
+        raise ValueError(f"mul_mat_id: no kernel applies the GLU to a {T}-token product of this type")
     if N == 0:
         return
     if T <= MMV_MAX_T or K % 32 != 0:
@@ -446,7 +455,7 @@ def mul_mat_id(out, w, x, ids, qtype, stream=0, x_ready=False, grouped=False, bi
             _mmv_id_kernel(qtype)[grid, (32, MMV_WARPS), stream](out, w, x, ids, X, RB, K)
         return
     if MMA and _int8(qtype, K):
-        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped, bias)
+        _mma.mul_mat_id(out, w, x, ids, qtype, RB, K, stream, x_ready, grouped, bias, glu)
         return
     TT = TILE_T_ID
     order, tiles, max_tiles = group_by_expert(ids, E, TT, stream, grouped)

@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from . import SIM, as_f32, device_fn, ld_f32, ld_i32, or_empty, st_f32, st_i32
+from .ops import _glu
 from .matmul_tiled import group_by_expert, sum_splits, tile_slots
 from .mma import mma_s8_16x8x16, mma_s8_16x8x32
 from .mmv_q8 import unit_words
@@ -74,6 +75,14 @@ def i2f(c):
     return as_f32(u32(c + I2F_MAGIC)) - F_MAGIC
 
 
+@device_fn
+def glu_row(f0, lr, F):
+    """The merged gate_up row (of an expert's 2F) of tile row lr in a tile that applies the GLU:
+    each 32 tile rows are 16 features' gate rows, then the same features' up rows."""
+    f = min(f0 + ((lr >> 5) << 4) + (lr & 15), F - 1)
+    return f + ((lr >> 4) & 1) * F
+
+
 # ---------------------------------------------------------------- the kernel
 # out[orow[j], r0 + i] = sum_k w[rbase + r0 + i, k] * x[xrow[j], k] over the tile's i < TM rows
 # and j < TT token slots, with slots as in matmul_tiled.tiled_kernel (plain: token by * TT + j;
@@ -100,8 +109,12 @@ def i2f(c):
 #     Lane (g, t) holds rows g, g + 8 and slots 2t, 2t + 1 of each tile (e = 0..3).
 #  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
 # Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
+# glu (mul_mat_id of a merged gate_up [E, 2F, RB], -muge): block x takes features f0 + [0, TM/2)
+# and its tile rows pair them (glu_row): a warp's row tiles 2i and 2i + 1 are the gate and up
+# rows of the same 16 features, so each lane holds both values of its outputs and stores
+#     out[p, f] = act(gate[p, f] + bg, up[p, f] + bu)      (out [T, A, F], no [T, A, 2F] pass)
 
-def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=None):
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=None, glu=False):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     BSIZE, BVALS = t_.size, t_.block        # bytes and values of a GGUF block of the type
@@ -113,6 +126,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
     WR, WC = TM // WM, TT // WT            # a warp's rows and slots
     MI, NJ = WR // 16, WC // 8             # its mma tiles
     assert MI * 16 * WM == TM and NJ * 8 * WT == TT
+    assert not glu or (gather and not split_k and WR % 32 == 0)
     KW = 8 * KB                            # words of a row in a K step
     S = KW + 4
     NS = 2 * KB if per16 else KB
@@ -132,7 +146,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, min_blocks))))
-        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias):
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias, act):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
@@ -143,6 +157,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             orow = cuda.shared.array(TT, i32)
             tid = cuda.threadIdx.x
             r0 = cuda.blockIdx.x * TM
+            f0 = cuda.blockIdx.x * (TM // 2)         # glu: the block's first feature
+            F = M >> 1
             if gather and cuda.blockIdx.y >= tiles[0]:
                 return                               # the whole block: beyond the tile table
             rbase, nslots = tile_slots(xrow, orow, order, tiles, cuda.blockIdx.y, tid, NTH, TT, T,
@@ -190,6 +206,14 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             sunit = 2 * (ss % SPB)                   # unit 2 h: the codes go unused there
             sfirst = (rbase + r0 + sr0) * RB
             sstep = SCSTEP * RB
+            # glu: the rows' byte offsets, their order not linear (glu_row)
+            wro = cuda.local.array(NU, np.int64)
+            sro = cuda.local.array(NSC, np.int64)
+            if glu:
+                for i in range(NU):
+                    wro[i] = (rbase + glu_row(f0, rr0 + RSTEP * i, F)) * RB
+                for i in range(NSC):
+                    sro[i] = (rbase + glu_row(f0, min(sr0 + SCSTEP * i, TM - 1), F)) * RB
             xw = tid % KW
             xj0 = tid // KW
             xsj0 = tid // KB
@@ -210,7 +234,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                 # 1. weight units -> codes and scales; x words and scales
                 if kbu < nkb:
                     for i in range(NU):                  # the scales go unused: compiled out
-                        c0, c1, _, _ = idec(w, min(rfirst + rstep * i, rlast), kb0 + kbu, uu)
+                        wrow = wro[i] if glu else min(rfirst + rstep * i, rlast)
+                        c0, c1, _, _ = idec(w, wrow, kb0 + kbu, uu)
                         if signed:
                             c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
                             c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
@@ -219,7 +244,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                 for i in range(NSC):
                     sr = sr0 + SCSTEP * i
                     if sr < TM and sb < nkb:
-                        _, _, d, m4 = idec(w, min(sfirst + sstep * i, rlast), kb0 + sb, sunit)
+                        srow = sro[i] if glu else min(sfirst + sstep * i, rlast)
+                        _, _, d, m4 = idec(w, srow, kb0 + sb, sunit)
                         wd[ss, sr] = d
                         if has_m:                        # (never per16: asserted above)
                             wm[ss, sr] = f32(4.0) * m4   # idec: m / 4
@@ -297,6 +323,22 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             # tile's expert's at rbase): added once (split-K: by the parts of z = 0)
             zt = cuda.blockIdx.z * T if split_k else 0
             biased = bias.shape[0] > 0 and zt == 0
+            if glu:                  # row tiles 2i (gate) and 2i + 1 (up) of the same features
+                for i in range(0, MI, 2):
+                    for h in range(2):
+                        lr = rw + 16 * i + g + 8 * h
+                        f = f0 + ((lr >> 5) << 4) + (lr & 15)
+                        if f < F:
+                            bg = bias[rbase + f] if biased else f32(0.0)
+                            bu = bias[rbase + F + f] if biased else f32(0.0)
+                            for j in range(NJ):
+                                for e in range(2):
+                                    o = orow[cw + 8 * j + 2 * t4 + e]
+                                    if o >= 0:
+                                        gv = acc[4 * (i * NJ + j) + 2 * h + e] + bg
+                                        uv = acc[4 * ((i + 1) * NJ + j) + 2 * h + e] + bu
+                                        st_f32(out, o * F * 4, 4 * f, _glu(gv, uv, act))
+                return
             for i in range(MI):
                 for h in range(2):
                     r = r0 + rw + 16 * i + g + 8 * h
@@ -308,7 +350,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e] + b)
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k, glu), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
@@ -325,13 +367,13 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
     Z = min(SPLIT_FILL * sm_count() // (gm * gt), nb // (SPLIT_MIN_STEPS * KB))
     if Z < 2:
         kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
-        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, bias)
+        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, bias, 0)
         return
     kc = -(-nb // (Z * KB)) * KB                 # blocks of K a split: whole K steps
     Z = -(-nb // kc)
     part = buffer("mma_split_k", Z * T * M, np.float32)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
-    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, bias)
+    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, bias, 0)
     sum_splits(out, part, Z, stream)
 
 
@@ -341,16 +383,23 @@ def id_tiles(T, E, A):
     return next(tile for least, tile in ID_TILES if T * A >= least * E)
 
 
-def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, bias=None):
+def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=False, bias=None,
+               glu=None):
     """out [T, A, M] = dequant(w [E, M, RB][ids[t, a]]) @ x[t, a if X == A else 0] (+ the
     expert's row of bias, flat [E * M]), the pairs grouped by expert in id_tiles' tiles
-    (matmul_tiled.group_by_expert)."""
+    (matmul_tiled.group_by_expert). glu (glu_out [T * A, F], act): w is a merged gate_up
+    (M = 2F) and the kernel writes act(gate, up) to glu_out instead of out."""
     E, M = w.shape[0], w.shape[1]
     T, X = x.shape[0], x.shape[1]
     A = ids.shape[1]
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
     tm, tt, wm, wt, min_blocks = id_tiles(T, E, A)
     order, tiles, n_tiles = group_by_expert(ids, E, tt, stream, grouped)
-    kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks)
-    kern[((M + tm - 1) // tm, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X,
-                                                    K // 32, or_empty(bias))
+    act, gx = 0, (M + tm - 1) // tm
+    if glu is not None:
+        out, act = glu
+        wm = min(wm, tm // 32)               # a warp's rows: whole pairs of gate and up tiles
+        gx = (M // 2 + tm // 2 - 1) // (tm // 2)
+    kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks, glu=glu is not None)
+    kern[(gx, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32,
+                                     or_empty(bias), act)
