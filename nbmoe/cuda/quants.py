@@ -75,8 +75,7 @@ def byte_f32(word, k, bias):
 @device_fn
 def spread4(h):
     """Bits 0..3 of h to bit 4 of bytes 0..3 (a Q5 unit's high bits, as 16s of its 4 bytes)."""
-    return (((h & u32(1)) << u32(4)) | ((h & u32(2)) << u32(11))
-            | ((h & u32(4)) << u32(18)) | ((h & u32(8)) << u32(25)))
+    return ((((h & u32(15)) * u32(0x00204081)) & u32(0x01010101)) << u32(4))
 
 
 @device_fn
