@@ -40,7 +40,7 @@ from nbmoe.cuda import matmul_mma as mm  # noqa: E402
 
 SIG = (types.float32[:, ::1], types.uint8[:, ::1], types.int32[::1], types.float32[::1], types.int64,
        types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64, types.int64,
-       types.float32[::1])                                                       # (the bias)
+       types.float32[::1], types.int64)                                          # (the bias, act)
 SIG_ID = (types.float32[:, :, ::1],) + SIG[1:]
 
 
@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--tile", default="", help="TMxTTxWMxWTxKBxMIN_BLOCKS instead of the default")
     ap.add_argument("--loops", action="store_true", help="each loop's PTX instructions (its body, run "
                     "once an iteration): all, 64-bit integer ones (two machine instructions each), mma")
+    ap.add_argument("--glu", action="store_true", help="the expert tiles that apply the GLU of a "
+                    "merged gate_up (-muge) too")
     ap.add_argument("--flash", default="", help="flash attention instead: head dims, e.g. 64,128 (Hkv = 4)")
     ap.add_argument("--kv", default="f16/f16,q8_0/q8_0,bf16/bf16",
                     help="with --flash: the KV cache's key/value types, comma-separated")
@@ -68,16 +70,18 @@ def main():
         mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
         mm.ID_TILES = ((0, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)),)
     bad = 0
-    tiles = [(False, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS))] + [(True, t) for _, t in mm.ID_TILES]
+    tiles = [(False, False, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS))] + [
+        (True, glu, t) for _, t in mm.ID_TILES for glu in ((False, True) if a.glu else (False,))]
     for name in a.types.split(","):
-        for gather, (tm, tt, wm, wt, mb) in tiles:
-            kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb)
+        for gather, glu, (tm, tt, wm, wt, mb) in tiles:
+            wm = min(wm, tm // 32) if glu else wm
+            kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb, glu=glu)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
-            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}_{tm}x{tt}.ptx")
+            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}{'_glu' if glu else ''}_{tm}x{tt}.ptx")
             ok, info = assemble(ptx, path, a.ptxas, a.cuobjdump)
-            print(f"{name:6s} {'id   ' if gather else 'plain'} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
+            print(f"{name:6s} {'id+glu' if glu else 'id    ' if gather else 'plain '} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
                   f"{'OK' if ok else 'FAILED'} {info}", flush=True)
             if a.loops:
                 for first, last, n, n64, mma, ldg in ptx_loops(ptx):
