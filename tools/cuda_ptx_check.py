@@ -40,7 +40,7 @@ from nbmoe.cuda import matmul_mma as mm  # noqa: E402
 
 SIG = (types.float32[:, ::1], types.uint8[:, ::1], types.int32[::1], types.float32[::1], types.int64,
        types.int64, types.int64, types.int64, types.int32[::1], types.int32[::1], types.int64, types.int64, types.int64,
-       types.float32[::1], types.int64)                                          # (the bias, act)
+       types.float32[::1])                                                       # (the bias)
 SIG_ID = (types.float32[:, :, ::1],) + SIG[1:]
 
 
@@ -70,18 +70,18 @@ def main():
         mm.TM, mm.TT, mm.WM, mm.WT, mm.KB, mm.MIN_BLOCKS = (int(v) for v in a.tile.split("x"))
         mm.ID_TILES = ((0, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS)),)
     bad = 0
-    tiles = [(False, False, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS))] + [
-        (True, glu, t) for _, t in mm.ID_TILES for glu in ((False, True) if a.glu else (False,))]
+    tiles = [(False, None, (mm.TM, mm.TT, mm.WM, mm.WT, mm.MIN_BLOCKS))] + [
+        (True, glu, t) for _, t in mm.ID_TILES for glu in ((None, 2) if a.glu else (None,))]
     for name in a.types.split(","):
         for gather, glu, (tm, tt, wm, wt, mb) in tiles:
-            wm = min(wm, tm // 32) if glu else wm
+            wm = min(wm, tm // 32) if glu is not None else wm
             kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb, glu=glu)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]
             ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), launch_bounds=kern.targetoptions.get("launch_bounds"))
-            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}{'_glu' if glu else ''}_{tm}x{tt}.ptx")
+            path = os.path.join(a.keep or tempfile.mkdtemp(), f"mma_{name}_{'id' if gather else 'plain'}{'' if glu is None else '_glu'}_{tm}x{tt}.ptx")
             ok, info = assemble(ptx, path, a.ptxas, a.cuobjdump)
-            print(f"{name:6s} {'id+glu' if glu else 'id    ' if gather else 'plain '} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
+            print(f"{name:6s} {'id+glu' if glu is not None else 'id    ' if gather else 'plain '} {tm}x{tt} {nth} threads, {ptx.count('mma.sync')} mma in PTX: "
                   f"{'OK' if ok else 'FAILED'} {info}", flush=True)
             if a.loops:
                 for first, last, n, n64, mma, ldg in ptx_loops(ptx):

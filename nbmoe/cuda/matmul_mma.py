@@ -113,8 +113,10 @@ def glu_row(f0, lr, F):
 # and its tile rows pair them (glu_row): a warp's row tiles 2i and 2i + 1 are the gate and up
 # rows of the same 16 features, so each lane holds both values of its outputs and stores
 #     out[p, f] = act(gate[p, f] + bg, up[p, f] + bu)      (out [T, A, F], no [T, A, 2F] pass)
+# (act fixed at compile time; every lane computes all its values, then stores the valid ones: a
+# branch per value kept the activations' long-latency steps from overlapping)
 
-def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=None, glu=False):
+def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=None, glu=None):
     t_ = qtype_info(qtype)
     idec, split = t_.idec, t_.split
     BSIZE, BVALS = t_.size, t_.block        # bytes and values of a GGUF block of the type
@@ -126,7 +128,9 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
     WR, WC = TM // WM, TT // WT            # a warp's rows and slots
     MI, NJ = WR // 16, WC // 8             # its mma tiles
     assert MI * 16 * WM == TM and NJ * 8 * WT == TT
-    assert not glu or (gather and not split_k and WR % 32 == 0)
+    assert glu is None or (gather and not split_k and WR % 32 == 0)
+    act = glu if glu is not None else 0
+    glu = glu is not None
     KW = 8 * KB                            # words of a row in a K step
     S = KW + 4
     NS = 2 * KB if per16 else KB
@@ -146,7 +150,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, min_blocks))))
-        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias, act):
+        def mul_mat_mma_kernel(out, w, xq, xds, RB, K, T, M, order, tiles, A, X, KC, bias):
             wc = cuda.shared.array((TM, S), i32)
             xc = cuda.shared.array((TT, S), i32)
             wd = cuda.shared.array((NS, TM), f32)
@@ -328,16 +332,22 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                     for h in range(2):
                         lr = rw + 16 * i + g + 8 * h
                         f = f0 + ((lr >> 5) << 4) + (lr & 15)
-                        if f < F:
-                            bg = bias[rbase + f] if biased else f32(0.0)
-                            bu = bias[rbase + F + f] if biased else f32(0.0)
-                            for j in range(NJ):
-                                for e in range(2):
-                                    o = orow[cw + 8 * j + 2 * t4 + e]
-                                    if o >= 0:
-                                        gv = acc[4 * (i * NJ + j) + 2 * h + e] + bg
-                                        uv = acc[4 * ((i + 1) * NJ + j) + 2 * h + e] + bu
-                                        st_f32(out, o * F * 4, 4 * f, _glu(gv, uv, act))
+                        fc = min(f, F - 1)
+                        bg = bias[rbase + fc] if biased else f32(0.0)
+                        bu = bias[rbase + F + fc] if biased else f32(0.0)
+                        for j in range(NJ):
+                            for e in range(2):
+                                a = 4 * (i * NJ + j) + 2 * h + e
+                                acc[a] = _glu(acc[a] + bg, acc[a + 4 * NJ] + bu, act)
+                for i in range(0, MI, 2):
+                    for h in range(2):
+                        lr = rw + 16 * i + g + 8 * h
+                        f = f0 + ((lr >> 5) << 4) + (lr & 15)
+                        for j in range(NJ):
+                            for e in range(2):
+                                o = orow[cw + 8 * j + 2 * t4 + e]
+                                if o >= 0 and f < F:
+                                    st_f32(out, o * F * 4, 4 * f, acc[4 * (i * NJ + j) + 2 * h + e])
                 return
             for i in range(MI):
                 for h in range(2):
@@ -367,13 +377,13 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
     Z = min(SPLIT_FILL * sm_count() // (gm * gt), nb // (SPLIT_MIN_STEPS * KB))
     if Z < 2:
         kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False)
-        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, bias, 0)
+        kern[(gm, gt), nth, stream](out, w, xq, xds, RB, K, T, M, d, d, 1, 1, nb, bias)
         return
     kc = -(-nb // (Z * KB)) * KB                 # blocks of K a split: whole K steps
     Z = -(-nb // kc)
     part = buffer("mma_split_k", Z * T * M, np.float32)
     kern, nth = _mma_kernel(qtype, TM, TT, WM, WT, KB, False, True)
-    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, bias, 0)
+    kern[(gm, gt, Z), nth, stream](part, w, xq, xds, RB, K, T, M, d, d, 1, 1, kc, bias)
     sum_splits(out, part, Z, stream)
 
 
@@ -395,11 +405,11 @@ def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=Fa
     xq, xds = quantize_x(x, T * X, K, stream, x_ready)
     tm, tt, wm, wt, min_blocks = id_tiles(T, E, A)
     order, tiles, n_tiles = group_by_expert(ids, E, tt, stream, grouped)
-    act, gx = 0, (M + tm - 1) // tm
+    act, gx = None, (M + tm - 1) // tm
     if glu is not None:
         out, act = glu
         wm = min(wm, tm // 32)               # a warp's rows: whole pairs of gate and up tiles
         gx = (M // 2 + tm // 2 - 1) // (tm // 2)
-    kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks, glu=glu is not None)
+    kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks, glu=act)
     kern[(gx, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32,
-                                     or_empty(bias), act)
+                                     or_empty(bias))
