@@ -152,14 +152,19 @@ def test_mul_mat_id_mma(name, X, biased, wide, tiles, monkeypatch):
              lambda x_: mul_mat_id_ref(wref, x_, ids) + bias[ids], True)
 
 
-@pytest.mark.parametrize("name,act,biased", [("Q4_0", "silu", False), ("Q4_K", "gelu", False),
-                                             ("Q6_K", "silu", False), ("MXFP4", "swiglu_oai", True)])
-def test_mul_mat_id_mma_glu(name, act, biased, tiles):
+@pytest.mark.parametrize("name,act,biased,tile", [
+    ("Q4_0", "silu", False, None), ("Q4_K", "gelu", False, None), ("Q6_K", "silu", False, None),
+    ("MXFP4", "swiglu_oai", True, None),
+    ("Q4_0", "silu", False, (32, 32, 1, 4, 1)),      # a thread's units 16 rows apart (as 128x64)
+    ("Q4_K", "silu", True, (64, 32, 2, 4, 1))])      # 32 rows apart (as 128x128)
+def test_mul_mat_id_mma_glu(name, act, biased, tile, tiles, monkeypatch):
     """A merged gate_up [E, 2F, K] (-muge) with the GLU applied by the product's kernel:
     out [T, A, F] = act(gate + bg, up + bu) of each pair, F = 20 features (a full and a partial
-    16-feature half tile); nothing is written to the [T, A, 2F] product."""
+    half tile of 16, or one partial of 32); nothing is written to the [T, A, 2F] product."""
     import naive
     from nbmoe.cuda import ops
+    if tile:
+        monkeypatch.setattr(matmul_mma, "ID_TILES", ((0, tile),))
     E, F, A, T, K = 4, 20, 2, 11, _k(name)
     w, wref = _weights((E, 2 * F), name, seed=8, K=K)
     ids = np.random.default_rng(9).integers(0, E, (T, A)).astype(np.int32)

@@ -76,11 +76,16 @@ def i2f(c):
 
 
 @device_fn
-def glu_row(f0, lr, F):
-    """The merged gate_up row (of an expert's 2F) of tile row lr in a tile that applies the GLU:
-    each 32 tile rows are 16 features' gate rows, then the same features' up rows."""
-    f = min(f0 + ((lr >> 5) << 4) + (lr & 15), F - 1)
-    return f + ((lr >> 4) & 1) * F
+def glu_tile_row(q):
+    """The tile row of feature q's gate row in a tile that applies the GLU: each 32 tile rows
+    are 16 features' gate rows, then the same features' up rows (16 rows further)."""
+    return ((q >> 4) << 5) + (q & 15)
+
+
+@device_fn
+def glu_feature(lr):
+    """The feature of tile row lr (glu_tile_row inverted), and 1 if lr is its up row."""
+    return ((lr >> 5) << 4) + (lr & 15), (lr >> 4) & 1
 
 
 # ---------------------------------------------------------------- the kernel
@@ -110,7 +115,7 @@ def glu_row(f0, lr, F):
 #  3. after the last step the lanes store their accumulators (rows < M, slots with a token).
 # Warps whose slots hold no token (a partly filled tile) skip step 2 (a warp-uniform branch).
 # glu (mul_mat_id of a merged gate_up [E, 2F, RB], -muge): block x takes features f0 + [0, TM/2)
-# and its tile rows pair them (glu_row): a warp's row tiles 2i and 2i + 1 are the gate and up
+# and its tile rows pair them (glu_tile_row): a warp's row tiles 2i and 2i + 1 are the gate and up
 # rows of the same 16 features, so each lane holds both values of its outputs and stores
 #     out[p, f] = act(gate[p, f] + bg, up[p, f] + bu)      (out [T, A, F], no [T, A, 2F] pass)
 # (act fixed at compile time; every lane computes all its values, then stores the valid ones: a
@@ -147,6 +152,10 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
     NSX = (TT + SSTEP - 1) // SSTEP
     min_blocks = min_blocks or MIN_BLOCKS
     assert NTH % UQ == 0 and TM % RSTEP == 0 and NTH % KW == 0 and TT % JSTEP == 0 and NTH % NS == 0
+    # glu: a thread's units i < NU / 2 take the gate rows of features rr0 + RSTEP i, the others
+    # the same features' up rows, so their weight rows stay RSTEP apart; a power of two RSTEP
+    # keeps their tile rows glu_tile_row(rr0) + a constant each
+    assert glu is None or (NU % 2 == 0 and RSTEP & (RSTEP - 1) == 0 and SCSTEP & (SCSTEP - 1) == 0)
 
     def build():
         @cuda.jit(**({} if SIM else dict(launch_bounds=(NTH, min_blocks))))
@@ -210,14 +219,16 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             sunit = 2 * (ss % SPB)                   # unit 2 h: the codes go unused there
             sfirst = (rbase + r0 + sr0) * RB
             sstep = SCSTEP * RB
-            # glu: the rows' byte offsets, their order not linear (glu_row)
-            wro = cuda.local.array(NU, np.int64)
-            sro = cuda.local.array(NSC, np.int64)
-            if glu:
-                for i in range(NU):
-                    wro[i] = (rbase + glu_row(f0, rr0 + RSTEP * i, F)) * RB
-                for i in range(NSC):
-                    sro[i] = (rbase + glu_row(f0, min(sr0 + SCSTEP * i, TM - 1), F)) * RB
+            fup = F * RB                             # glu: the up rows, F rows after the gate's
+            if glu:                                  # gate rows of features f0 + rr0 + RSTEP i
+                rfirst = (rbase + f0 + rr0) * RB
+                rlast = (rbase + F - 1) * RB
+                wa0 = 4 * (glu_tile_row(rr0) * S + w0)
+                wa1 = 4 * (glu_tile_row(rr0) * S + w1)
+                # scale rows sr0 + SCSTEP i: as SCSTEP is a power of two and sr0 < SCSTEP,
+                # feature and half are those of sr0 plus those of SCSTEP i
+                sq, sup = glu_feature(sr0)
+                sfirst = (rbase + f0 + sq) * RB + sup * fup
             xw = tid % KW
             xj0 = tid // KW
             xsj0 = tid // KB
@@ -238,17 +249,26 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                 # 1. weight units -> codes and scales; x words and scales
                 if kbu < nkb:
                     for i in range(NU):                  # the scales go unused: compiled out
-                        wrow = wro[i] if glu else min(rfirst + rstep * i, rlast)
+                        if glu:
+                            iq, up = i % (NU // 2), i // (NU // 2)
+                            wrow = min(rfirst + rstep * iq, rlast) + up * fup
+                            wo = 4 * S * (glu_tile_row(RSTEP * iq) + 16 * up)
+                        else:
+                            wrow, wo = min(rfirst + rstep * i, rlast), 4 * RSTEP * S * i
                         c0, c1, _, _ = idec(w, wrow, kb0 + kbu, uu)
                         if signed:
                             c0 = i32((u32(c0) + shift) ^ SIGN_BYTES)
                             c1 = i32((u32(c1) + shift) ^ SIGN_BYTES)
-                        st_i32(wc, 0, wa0 + 4 * RSTEP * S * i, c0)
-                        st_i32(wc, 0, wa1 + 4 * RSTEP * S * i, c1)
+                        st_i32(wc, 0, wa0 + wo, c0)
+                        st_i32(wc, 0, wa1 + wo, c1)
                 for i in range(NSC):
                     sr = sr0 + SCSTEP * i
                     if sr < TM and sb < nkb:
-                        srow = sro[i] if glu else min(sfirst + sstep * i, rlast)
+                        if glu:
+                            iq, up = glu_feature(SCSTEP * i)
+                            srow = min(sfirst + RB * iq, rlast + sup * fup) + up * fup
+                        else:
+                            srow = min(sfirst + sstep * i, rlast)
                         _, _, d, m4 = idec(w, srow, kb0 + sb, sunit)
                         wd[ss, sr] = d
                         if has_m:                        # (never per16: asserted above)
