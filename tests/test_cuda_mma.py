@@ -161,10 +161,23 @@ def test_mul_mat_id_mma_glu(name, act, biased, tile, tiles, monkeypatch):
     """A merged gate_up [E, 2F, K] (-muge) with the GLU applied by the product's kernel:
     out [T, A, F] = act(gate + bg, up + bu) of each pair, F = 20 features (a full and a partial
     half tile of 16, or one partial of 32); nothing is written to the [T, A, 2F] product."""
-    import naive
-    from nbmoe.cuda import ops
     if tile:
         monkeypatch.setattr(matmul_mma, "ID_TILES", ((0, tile),))
+    _check_glu_product(name, act, biased)
+
+
+def test_mma_glu_kernel_per_activation(tiles, monkeypatch):
+    """Each activation compiles a kernel of its own: two of one type and tile in a row, each
+    against its reference, and the plain expert product of that type and tile after them."""
+    monkeypatch.setattr(matmul_mma, "ID_TILES", ((0, (32, 32, 1, 4, 1)),))   # the same warps either way
+    for act in ("gelu", "silu"):
+        _check_glu_product("Q8_0", act, False)
+    test_mul_mat_id_mma("Q8_0", 1, False, False, None, None)
+
+
+def _check_glu_product(name, act, biased):
+    import naive
+    from nbmoe.cuda import ops
     E, F, A, T, K = 4, 20, 2, 11, _k(name)
     w, wref = _weights((E, 2 * F), name, seed=8, K=K)
     ids = np.random.default_rng(9).integers(0, E, (T, A)).astype(np.int32)

@@ -134,8 +134,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
     MI, NJ = WR // 16, WC // 8             # its mma tiles
     assert MI * 16 * WM == TM and NJ * 8 * WT == TT
     assert glu is None or (gather and not split_k and WR % 32 == 0)
-    act = glu if glu is not None else 0
-    glu = glu is not None
+    act, glu = (glu, True) if glu is not None else (0, False)
     KW = 8 * KB                            # words of a row in a K step
     S = KW + 4
     NS = 2 * KB if per16 else KB
@@ -380,7 +379,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e] + b)
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k, glu), build)
+    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k, act if glu else None), build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
