@@ -69,15 +69,22 @@ def test_merged_equals_cpu(model, placement, small):
         assert close(llm.eval([5]), ref.eval([5]))
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
-def test_prompt_glu_in_the_product(model, arch, tiny_model, monkeypatch, small):
+@pytest.mark.parametrize("arch,offloaded", [("qwen3moe", False), ("gpt-oss", False), ("qwen3moe", True)])
+def test_prompt_glu_in_the_product(model, arch, offloaded, tiny_model, monkeypatch, small):
     """A prompt on the int8 tensor-core tiles: the merged product applies the GLU itself (no
     GLU launch; gpt-oss: its experts' biases too, no bias launch) and the logits are those of
-    the same products with the GLU run after."""
+    the same products with the GLU run after; offloaded: the experts in RAM, the chosen ones
+    uploaded for the prompt (the batch threshold patched to 1 row)."""
+    from nbmoe.backends import expert_uploads
     from nbmoe.cuda import matmul as cuda_matmul
     from nbmoe.cuda import matmul_mma, ops
     if arch == "gpt-oss":
         model = tiny_model("gpt-oss", types=[("exps", "MXFP4")], default_type="Q8_0", n_layer=1)
+    place = dict(n_gpu_layers=99)
+    if offloaded:
+        monkeypatch.setattr(scheduler, "OFFLOAD_MIN_BATCH", 1)
+        monkeypatch.setattr(expert_uploads, "START_WHOLE_PAIRS", 10**6)
+        place["override_tensors"] = ["exps=CPU"]
     for mod, k, v in ((cuda_matmul, "INT8_DOT", True), (matmul, "INT8_DOT", True), (cuda_matmul, "MMA", True),
                       (cuda_matmul, "MMV_MAX_T", 2), (matmul_mma, "ID_TILES", ((0, (32, 8, 2, 1, 2)),))):
         monkeypatch.setattr(mod, k, v)
@@ -86,10 +93,13 @@ def test_prompt_glu_in_the_product(model, arch, tiny_model, monkeypatch, small):
         kernel = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _k=kernel, _n=name, **kw: launches.append(_n) or _k(*a, **kw))
     prompt = [17, 3, 9, 30]
-    fused = load(model, n_gpu_layers=99).eval(prompt)
+    llm = load(model, **place)
+    if offloaded:
+        assert {n.cause for n in llm.plan(len(prompt), len(prompt)).graph.nodes if n.op == "MUL_MAT_ID"} == {"off"}
+    fused = llm.eval(prompt)
     assert launches == []
     monkeypatch.setattr(cuda_matmul, "fuses_glu_id", lambda *a: False)
-    apart = load(model, n_gpu_layers=99).eval(prompt)
+    apart = load(model, **place).eval(prompt)
     assert launches == ["swiglu" if arch == "qwen3moe" else "swiglu_oai"] * (MOE["n_layer"] if arch == "qwen3moe" else 1)
     assert close(fused, apart, rel=1e-5)
 
