@@ -349,9 +349,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
             if glu:                  # row tiles 2i (gate) and 2i + 1 (up) of the same features
                 for i in range(0, MI, 2):
                     for h in range(2):
-                        lr = rw + 16 * i + g + 8 * h
-                        f = f0 + ((lr >> 5) << 4) + (lr & 15)
-                        fc = min(f, F - 1)
+                        fc = min(f0 + glu_feature(rw + 16 * i + g + 8 * h)[0], F - 1)
                         bg = bias[rbase + fc] if biased else f32(0.0)
                         bu = bias[rbase + F + fc] if biased else f32(0.0)
                         for j in range(NJ):
@@ -360,8 +358,7 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                                 acc[a] = _glu(acc[a] + bg, acc[a + 4 * NJ] + bu, act)
                 for i in range(0, MI, 2):
                     for h in range(2):
-                        lr = rw + 16 * i + g + 8 * h
-                        f = f0 + ((lr >> 5) << 4) + (lr & 15)
+                        f = f0 + glu_feature(rw + 16 * i + g + 8 * h)[0]
                         for j in range(NJ):
                             for e in range(2):
                                 o = orow[cw + 8 * j + 2 * t4 + e]
@@ -379,7 +376,8 @@ def _mma_kernel(qtype, TM, TT, WM, WT, KB, gather, split_k=False, min_blocks=Non
                                 if o >= 0:
                                     st_f32(out, (zt + o) * M * 4, 4 * r, acc[4 * (i * NJ + j) + 2 * h + e] + b)
         return mul_mat_mma_kernel, NTH
-    return cached(("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k, act if glu else None), build)
+    key = ("mma", int(qtype), TM, TT, WM, WT, KB, min_blocks, gather, split_k, act if glu else None)
+    return cached(key, build)
 
 
 # ---------------------------------------------------------------- launchers (matmul.py calls)
