@@ -10,12 +10,30 @@ import numba
 if "NUMBA_SLP_VECTORIZE" not in os.environ:
     numba.config.SLP_VECTORIZE = 1
 
-# Threads that wait for the next parallel region sleep instead of polling, which on a busy machine
-# takes the core from the thread they wait for. Read when Numba first runs in parallel.
 from nbmoe import config as _config  # noqa: E402
 
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = _config.OMP_WAIT_POLICY
+
+def omp_wait_settings(environ, cpus, load):
+    """libgomp's wait settings for a machine of `cpus` CPUs at 1-minute `load`: a short poll on an
+    idle machine with cores to spare (waking a sleeping team took over half of a 16-thread
+    expert product's time), sleep at once elsewhere; none where the user set either variable."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return {}
+    if _config.SPIN_POLLS > 0 and cpus >= _config.SPIN_MIN_CPUS and load < _config.SPIN_MAX_LOAD * cpus:
+        return {"GOMP_SPINCOUNT": str(_config.SPIN_POLLS)}
+    return {"OMP_WAIT_POLICY": _config.OMP_WAIT_POLICY}
+
+
+def _load():
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):    # no load average: treat the machine as busy
+        return float("inf")
+
+
+# Read by libgomp when Numba first runs in parallel.
+_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+os.environ.update(omp_wait_settings(os.environ, _cpus, _load()))
 if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & set(os.environ):
     numba.config.THREADING_LAYER_PRIORITY = list(_config.THREADING_LAYERS)
 

@@ -1,4 +1,5 @@
-"""The threading choice (nbmoe/__init__.py): Numba's OpenMP layer, whose idle threads sleep.
+"""The threading choice (nbmoe/__init__.py): Numba's OpenMP layer, whose idle threads poll briefly
+on an idle machine with cores to spare and sleep at once elsewhere.
 
 libgomp reads its settings once, when Numba first runs in parallel, and OMP_DISPLAY_ENV makes
 it print the values it took; so each case is a fresh process that imports nbmoe and runs a
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from nbmoe import config
+from nbmoe import config, omp_wait_settings
 
 PROBE = """
 import numba
@@ -33,8 +34,9 @@ print(",".join(numba.config.THREADING_LAYER_PRIORITY), numba.threading_layer())
 def probe(**env):
     """(Numba's layer order, the layer it runs, libgomp's settings as printed) in a fresh process."""
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV",
-                          "NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY")}
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV", "NBMOE_SPIN_POLLS",
+                          "NBMOE_SPIN_MIN_CPUS", "NBMOE_SPIN_MAX_LOAD", "NUMBA_THREADING_LAYER",
+                          "NUMBA_THREADING_LAYER_PRIORITY")}
     clean.update(env, OMP_DISPLAY_ENV="VERBOSE")
     out = subprocess.run([sys.executable, "-c", PROBE], env=clean, capture_output=True,
                          text=True, timeout=600)
@@ -43,13 +45,32 @@ def probe(**env):
     return order, layer, out.stderr
 
 
-def test_idle_threads_sleep_by_default():
-    order, layer, err = probe()
+def test_busy_or_small_machines_threads_sleep():
+    order, layer, err = probe(NBMOE_SPIN_MIN_CPUS="100000")      # more CPUs than any machine
     assert order == ",".join(config.THREADING_LAYERS) and order.startswith("omp")
     if layer != "omp":
         pytest.skip(f"Numba has no OpenMP layer here; it runs {layer}")
     assert f"OMP_WAIT_POLICY = '{config.OMP_WAIT_POLICY}'" in err
     assert "GOMP_SPINCOUNT = '0'" in err          # PASSIVE: no polling at all
+
+
+def test_idle_machines_threads_poll_briefly():
+    # any machine counts as idle and large enough here
+    _, layer, err = probe(NBMOE_SPIN_MIN_CPUS="1", NBMOE_SPIN_MAX_LOAD="1e9", NBMOE_SPIN_POLLS="2345")
+    if layer != "omp":
+        pytest.skip(f"Numba has no OpenMP layer here; it runs {layer}")
+    assert "GOMP_SPINCOUNT = '2345'" in err      # (libgomp shows the policy as PASSIVE still)
+
+
+@pytest.mark.parametrize("environ, cpus, load, settings", [
+    ({}, 16, 1.5, {"GOMP_SPINCOUNT": str(config.SPIN_POLLS)}),       # idle GPU host
+    ({}, 16, 9.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                    # busy
+    ({}, 2, 0.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                     # small VM
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 16, 0.0, {}),                     # the user's choice
+    ({"GOMP_SPINCOUNT": "10"}, 2, 9.0, {}),
+])
+def test_wait_rule(environ, cpus, load, settings):
+    assert omp_wait_settings(environ, cpus, load) == settings
 
 
 @pytest.mark.parametrize("env, shown", [
