@@ -63,13 +63,15 @@ def test_idle_machines_threads_poll_briefly():
 
 
 @pytest.mark.parametrize("environ, cpus, load, settings", [
-    ({}, 16, 1.5, {"GOMP_SPINCOUNT": str(config.SPIN_POLLS)}),       # idle GPU host
+    ({}, 16, 1.5, {"GOMP_SPINCOUNT": "3000"}),                        # idle GPU host
     ({}, 16, 9.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                    # busy
     ({}, 2, 0.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                     # small VM
     ({"OMP_WAIT_POLICY": "ACTIVE"}, 16, 0.0, {}),                     # the user's choice
     ({"GOMP_SPINCOUNT": "10"}, 2, 9.0, {}),
 ])
-def test_wait_rule(environ, cpus, load, settings):
+def test_wait_rule(environ, cpus, load, settings, monkeypatch):
+    for name, value in (("SPIN_POLLS", 3000), ("SPIN_MIN_CPUS", 8), ("SPIN_MAX_LOAD", 0.5)):
+        monkeypatch.setattr(config, name, value)           # the defaults, whatever the environment says
     assert omp_wait_settings(environ, cpus, load) == settings
 
 
