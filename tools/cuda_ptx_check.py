@@ -74,7 +74,7 @@ def main():
         (True, glu, t) for _, t in mm.ID_TILES for glu in ((None, 2) if a.glu else (None,))]
     for name in a.types.split(","):
         for gather, glu, (tm, tt, wm, wt, mb) in tiles:
-            wm = min(wm, tm // 32) if glu is not None else wm
+            wm = mm.glu_warps_along_rows(tm, wm) if glu is not None else wm
             kern, nth = mm._mma_kernel(int(Q[name]), tm, tt, wm, wt, mm.KB, gather, min_blocks=mb, glu=glu)
             w = types.uint8[:, :, ::1] if gather else types.uint8[:, ::1]
             sig = (SIG_ID[0] if gather else SIG[0], w) + SIG[2:]

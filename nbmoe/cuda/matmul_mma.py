@@ -404,6 +404,12 @@ def mul_mat(out, w, x, qtype, RB, K, stream=0, x_ready=False, bias=None):
     sum_splits(out, part, Z, stream)
 
 
+def glu_warps_along_rows(tm, wm):
+    """The warps along rows of a tile that applies the GLU: each warp's rows whole pairs of gate
+    and up row tiles (32 rows)."""
+    return min(wm, tm // 32)
+
+
 def id_tiles(T, E, A):
     """(TM, TT, WM, WT, blocks an SM) of mul_mat_id's tiles for T tokens choosing A of E experts
     (ID_TILES' last row asks for 0 pairs)."""
@@ -425,7 +431,7 @@ def mul_mat_id(out, w, x, ids, qtype, RB, K, stream=0, x_ready=False, grouped=Fa
     act, gx = None, (M + tm - 1) // tm
     if glu is not None:
         out, act = glu
-        wm = min(wm, tm // 32)               # a warp's rows: whole pairs of gate and up tiles
+        wm = glu_warps_along_rows(tm, wm)
         gx = (M // 2 + tm // 2 - 1) // (tm // 2)
     kern, nth = _mma_kernel(qtype, tm, tt, wm, wt, KB, True, min_blocks=min_blocks, glu=act)
     kern[(gx, n_tiles), nth, stream](out, w, xq, xds, RB, K, T, M, order, tiles, A, X, K // 32,
