@@ -14,9 +14,10 @@ from nbmoe import config as _config  # noqa: E402
 
 
 def omp_wait_settings(environ, cpus, load):
-    """libgomp's wait settings for a machine of `cpus` CPUs at 1-minute `load`: a short poll on an
-    idle machine with cores to spare (waking a sleeping team took over half of a 16-thread
-    expert product's time), sleep at once elsewhere; none where the user set either variable."""
+    """libgomp's wait settings for a machine of `cpus` CPUs at 1-minute `load`: sleep at once,
+    or, where config.SPIN_POLLS asks for it, a short poll on an idle machine with cores to spare
+    (waking a sleeping team took over half of a 16-thread expert product's time); none where
+    the user set either variable."""
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return {}
     if _config.SPIN_POLLS > 0 and cpus >= _config.SPIN_MIN_CPUS and load < _config.SPIN_MAX_LOAD * cpus:

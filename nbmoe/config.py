@@ -47,12 +47,12 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 FLASH_ATTN = os.environ.get("NBMOE_FLASH_ATTN", "").strip().lower() or "auto"
 
 # ---- Threads
-# OMP_WAIT_POLICY / GOMP_SPINCOUNT, unless either is set: a machine of at least SPIN_MIN_CPUS CPUs
-# whose 1-minute load is below SPIN_MAX_LOAD of them polls SPIN_POLLS times (~150 us, across a
-# hybrid layer's GPU part) before a thread sleeps; others sleep at once, as a poller takes the core
-# the thread it waits for needs (small VMs' vCPUs share cores). NBMOE_SPIN_POLLS=0: never poll.
+# OMP_WAIT_POLICY / GOMP_SPINCOUNT, unless either is set: idle threads sleep at once (PASSIVE).
+# NBMOE_SPIN_POLLS=N (3000 is ~150 us, across a hybrid layer's GPU part) makes them poll first on
+# a machine of at least SPIN_MIN_CPUS CPUs whose 1-minute load is below SPIN_MAX_LOAD of them.
+# Off by default: one other busy process made 16 polling threads 3x slower (docs/kernels.md).
 OMP_WAIT_POLICY = "PASSIVE"
-SPIN_POLLS = env_int("NBMOE_SPIN_POLLS", 3000)
+SPIN_POLLS = env_int("NBMOE_SPIN_POLLS", 0)
 SPIN_MIN_CPUS = env_int("NBMOE_SPIN_MIN_CPUS", 8)
 SPIN_MAX_LOAD = float(os.environ.get("NBMOE_SPIN_MAX_LOAD", "0.5"))
 # NUMBA_THREADING_LAYER(_PRIORITY): unless set, Numba's threading layers are tried in this order.

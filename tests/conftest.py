@@ -13,10 +13,6 @@ import sys
 # (3) and computes the same math; the kernel cache keeps each level apart. Set NUMBA_OPT=3 to test
 # the machine code nbmoe runs with.
 os.environ.setdefault("NUMBA_OPT", "1")
-# Test workers side by side make a busy machine, whatever the load average said when each started:
-# their threads sleep when idle rather than poll (nbmoe.omp_wait_settings), unless asked otherwise.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("NBMOE_SPIN_POLLS", "0")
 
 import pytest
 

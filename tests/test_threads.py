@@ -1,5 +1,5 @@
-"""The threading choice (nbmoe/__init__.py): Numba's OpenMP layer, whose idle threads poll briefly
-on an idle machine with cores to spare and sleep at once elsewhere.
+"""The threading choice (nbmoe/__init__.py): Numba's OpenMP layer, whose idle threads sleep at
+once, or, where NBMOE_SPIN_POLLS asks, poll briefly first on an idle machine with cores to spare.
 
 libgomp reads its settings once, when Numba first runs in parallel, and OMP_DISPLAY_ENV makes
 it print the values it took; so each case is a fresh process that imports nbmoe and runs a
@@ -45,8 +45,12 @@ def probe(**env):
     return order, layer, out.stderr
 
 
-def test_busy_or_small_machines_threads_sleep():
-    order, layer, err = probe(NBMOE_SPIN_MIN_CPUS="100000")      # more CPUs than any machine
+@pytest.mark.parametrize("env", [
+    {},                                                         # the default
+    {"NBMOE_SPIN_POLLS": "3000", "NBMOE_SPIN_MIN_CPUS": "100000"},  # polls asked for, too few CPUs
+])
+def test_threads_sleep_at_once(env):
+    order, layer, err = probe(**env)
     assert order == ",".join(config.THREADING_LAYERS) and order.startswith("omp")
     if layer != "omp":
         pytest.skip(f"Numba has no OpenMP layer here; it runs {layer}")
@@ -54,7 +58,7 @@ def test_busy_or_small_machines_threads_sleep():
     assert "GOMP_SPINCOUNT = '0'" in err          # PASSIVE: no polling at all
 
 
-def test_idle_machines_threads_poll_briefly():
+def test_asked_for_idle_machines_threads_poll_briefly():
     # any machine counts as idle and large enough here
     _, layer, err = probe(NBMOE_SPIN_MIN_CPUS="1", NBMOE_SPIN_MAX_LOAD="1e9", NBMOE_SPIN_POLLS="2345")
     if layer != "omp":
@@ -62,16 +66,17 @@ def test_idle_machines_threads_poll_briefly():
     assert "GOMP_SPINCOUNT = '2345'" in err      # (libgomp shows the policy as PASSIVE still)
 
 
-@pytest.mark.parametrize("environ, cpus, load, settings", [
-    ({}, 16, 1.5, {"GOMP_SPINCOUNT": "3000"}),                        # idle GPU host
-    ({}, 16, 9.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                    # busy
-    ({}, 2, 0.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                     # small VM
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, 16, 0.0, {}),                     # the user's choice
-    ({"GOMP_SPINCOUNT": "10"}, 2, 9.0, {}),
+@pytest.mark.parametrize("polls, environ, cpus, load, settings", [
+    (0, {}, 16, 0.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                    # the default: no polling
+    (3000, {}, 16, 1.5, {"GOMP_SPINCOUNT": "3000"}),                     # asked for, idle GPU host
+    (3000, {}, 16, 9.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                 # asked for, busy
+    (3000, {}, 2, 0.0, {"OMP_WAIT_POLICY": "PASSIVE"}),                  # asked for, small VM
+    (3000, {"OMP_WAIT_POLICY": "ACTIVE"}, 16, 0.0, {}),                  # the user's choice
+    (0, {"GOMP_SPINCOUNT": "10"}, 2, 9.0, {}),
 ])
-def test_wait_rule(environ, cpus, load, settings, monkeypatch):
-    for name, value in (("SPIN_POLLS", 3000), ("SPIN_MIN_CPUS", 8), ("SPIN_MAX_LOAD", 0.5)):
-        monkeypatch.setattr(config, name, value)           # the defaults, whatever the environment says
+def test_wait_rule(polls, environ, cpus, load, settings, monkeypatch):
+    for name, value in (("SPIN_POLLS", polls), ("SPIN_MIN_CPUS", 8), ("SPIN_MAX_LOAD", 0.5)):
+        monkeypatch.setattr(config, name, value)           # whatever the environment says
     assert omp_wait_settings(environ, cpus, load) == settings
 
 
