@@ -250,3 +250,15 @@ def test_deepseek2_refuses_the_old_mla_layout(tiny_model):
     meta = {k: v for k, v in f.meta.items() if not k.endswith("key_length_mla")}
     with pytest.raises(NbmoeError, match="key_length_mla"):
         config_from_meta(meta, None, list(f.tensors))
+
+
+def test_deepseek2_refuses_an_unknown_gating_function(tiny_model):
+    """A gating function nbmoe has no kernel for is one line naming the key and its value."""
+    from nbmoe.errors import NbmoeError
+    from nbmoe.model.arch import config_from_meta
+    from nbmoe.loader.gguf_file import GGUFFile
+    f = GGUFFile(_deepseek(tiny_model, "v2-lite", "F32"))
+    assert config_from_meta(f.meta, None, list(f.tensors)).gating in ("softmax", "sigmoid")
+    meta = dict(f.meta, **{"deepseek2.expert_gating_func": 7})
+    with pytest.raises(NbmoeError, match=r"deepseek2\.expert_gating_func = 7; nbmoe runs softmax"):
+        config_from_meta(meta, None, list(f.tensors))
