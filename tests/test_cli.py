@@ -275,6 +275,20 @@ def test_bench_times_without_the_cycle_collector(monkeypatch):
     assert seen == [True, True, False, False, False] and gc.isenabled()
 
 
+def test_bench_times_after_the_helper_compile_ends(monkeypatch):
+    """A cold start's helper process (compiling generation's kernels during the prompt test)
+    ends before the prompt's timed repetitions start: they would share its cores."""
+    from types import SimpleNamespace
+    from nbmoe import compiling
+    from nbmoe.cli import bench
+    seen = []
+    monkeypatch.setattr(compiling, "_ahead", SimpleNamespace(wait=lambda: seen.append("helper done")))
+    monkeypatch.setattr(bench, "run_pp", lambda *a: seen.append("run") or 1.0)
+    args = SimpleNamespace(batch_size=512, repetitions=2)
+    assert bench.run_test(SimpleNamespace(backends={"CPU": None}), "pp", 16, args, None) == [1.0, 1.0]
+    assert seen == ["run", "run", "helper done", "run", "run"] and compiling._ahead is None
+
+
 def test_bench_profiles_the_timed_runs_alone(monkeypatch):
     """NBMOE_PROFILE_TIMED with a GPU: the profiler's range opens after the warm-ups and closes
     after the last timed run (ncu --profile-from-start off then sees those alone)."""

@@ -83,14 +83,19 @@ def run_tg(llm, n_gen, rng, n_batch=2048, depth=0):
     return time.perf_counter() - t0
 
 
-def run_test(llm, kind, n, args, rng, depth=0):
+def run_test(llm, kind, n, args, rng, depth=0, progress=None):
+    from nbmoe.compiling import wait_ahead
     if kind == "pp":
         fn = lambda: run_pp(llm, n, args.batch_size, rng, depth)     # noqa: E731
     else:
         fn = lambda: run_tg(llm, n, rng, args.batch_size, depth)     # noqa: E731
+        wait_ahead(progress)    # the helper compiles generation's kernels: load them, not again
     fn()  # warm-up
     if kind == "pp":
         fn()  # a prompt plan's second run records its CUDA graphs (the timed runs replay them)
+    # timed runs start once a cold start's helper has ended: beside it, prompts on two cores
+    # timed 40% slower
+    wait_ahead(progress)
     # as timeit does: no cycle collection inside a timed run (a loaded model's ~300k objects
     # take the collector 0.1-0.4 s a full pass, which would land in a random repetition)
     gc.collect()
@@ -127,7 +132,7 @@ def main(argv=None):
     with mpi_ranks(args, (args.threads or [None])[0]), friendly_errors():
         import numba
 
-        from nbmoe.compiling import CompileProgress, wait_ahead
+        from nbmoe.compiling import CompileProgress
         from nbmoe.cpu.membw import read_bandwidth
         from nbmoe.engine import default_threads
         path = resolve_model(args.model)
@@ -152,9 +157,7 @@ def main(argv=None):
                     ahead = [1] if kind == "pp" and any(k == "tg" for k, _, _ in tests(args)) else []
                     with CompileProgress(err_console, f"{kind}{n}, ngl {ngl}, ubatch {ub}, {threads} threads",
                                          llm, f"bench {kind}", ahead) as progress:
-                        if kind == "tg":
-                            wait_ahead(progress)
-                        times = run_test(llm, kind, n, args, rng, depth)
+                        times = run_test(llm, kind, n, args, rng, depth, progress)
                     # the RAM's speed drifts on shared hosts: read it right after the test it rates
                     bw = read_bandwidth() if kind == "tg" and not args.no_bandwidth else None
                     rows.append(make_row(llm, path, facts, args, threads, kind, n, times,
