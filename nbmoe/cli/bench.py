@@ -94,7 +94,7 @@ def run_test(llm, kind, n, args, rng, depth=0, progress=None):
     if kind == "pp":
         fn()  # a prompt plan's second run records its CUDA graphs (the timed runs replay them)
     # timed runs start once a cold start's helper has ended: beside it, prompts on two cores
-    # timed 40% slower
+    # timed 46% slower
     wait_ahead(progress)
     # as timeit does: no cycle collection inside a timed run (a loaded model's ~300k objects
     # take the collector 0.1-0.4 s a full pass, which would land in a random repetition)
