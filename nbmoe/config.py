@@ -55,6 +55,12 @@ OMP_WAIT_POLICY = "PASSIVE"
 SPIN_POLLS = env_int("NBMOE_SPIN_POLLS", 0)
 SPIN_MIN_CPUS = env_int("NBMOE_SPIN_MIN_CPUS", 8)
 SPIN_MAX_LOAD = float(os.environ.get("NBMOE_SPIN_MAX_LOAD", "0.5"))
+# Between the phases of one parallel region (work_queue.wait_for), a waiting thread polls this
+# many times (~50-100 ns each: a PAUSE and an atomic read) before it sleeps 20 us between looks.
+PHASE_POLLS = env_int("NBMOE_PHASE_POLLS", 500)
+# A decoding MoE layer's CPU experts (gate / up / GLU, then down and the weighted sum) in one
+# parallel region (fused.expert_ffn); off: two regions, to compare.
+EXPERT_FFN = env_flag("NBMOE_EXPERT_FFN", True)
 # NUMBA_THREADING_LAYER(_PRIORITY): unless set, Numba's threading layers are tried in this order.
 THREADING_LAYERS = ("omp", "tbb", "workqueue")
 
@@ -103,4 +109,4 @@ PROFILE_TIMED = env_flag("NBMOE_PROFILE_TIMED", False)
 MAPPED = not env_flag("NBMOE_NO_MAPPED", False)
 
 # The settings above that change compiled code, for the kernel cache's folder name.
-KERNEL_KEY = f"novnni={int(NO_VNNI)}"
+KERNEL_KEY = f"novnni={int(NO_VNNI)}-polls={PHASE_POLLS}"

@@ -31,7 +31,7 @@ def test_cpu_groups_match_unfused(tiny_model, monkeypatch, shape, int8):
             else tiny_model(**DENSE, default_type="Q4_1"))
     fused, llm = decode(path)
     kinds = {k for k, _ in llm.backends["CPU"]._groups.values()}
-    assert kinds == ({"products", "glu_id", "down_combine"} if shape == "moe" else {"products", "glu"})
+    assert kinds == ({"products", "expert_ffn"} if shape == "moe" else {"products", "glu"})
     labels = {op for _, op in llm.plan(1, 1).labels}
     assert "MUL_MAT_ID" not in labels and "GLU" not in labels and "MOE_COMBINE" not in labels
     monkeypatch.setattr(fusion, "ENABLED", False)
@@ -46,7 +46,7 @@ def test_cpu_groups_on_repacked_weights(tiny_model, monkeypatch):
     monkeypatch.setattr(fusion, "BLOCKS", False)
     path = tiny_model(**{**MOE, "n_ff_exp": 96}, types=[("exps", "Q4_0")], default_type="Q8_0")
     fused, llm = decode(path, repack=True)
-    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "glu_id", "down_combine"}
+    assert {k for k, _ in llm.backends["CPU"]._groups.values()} == {"products", "expert_ffn"}
     monkeypatch.setattr(fusion, "ENABLED", False)
     plain, _ = decode(path, repack=True)
     for a, b in zip(fused, plain):

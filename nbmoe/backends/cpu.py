@@ -10,6 +10,8 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from nbmoe import config
+
 
 def _rows2d(a):
     return a.reshape(a.shape[0], -1)
@@ -305,7 +307,7 @@ GATING_CODES = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 class CPUBackend(Backend):
     name = "CPU"
     fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
-                  "moe_block")
+                  "moe_block") + (("expert_ffn",) if config.EXPERT_FFN else ())
 
     def __init__(self, tensors, repacked=None, flash_attn="auto"):
         super().__init__(tensors, flash_attn)
@@ -358,29 +360,45 @@ class CPUBackend(Backend):
         return [None, None, _labelled(lambda: fused.glu(out, wg, wu, x, qtype, int8, step, act),
                                       "MUL_MAT+GLU")]
 
-    def _bind_glu_id(self, members, buf, state):
+    def _glu_id_operands(self, members, buf):
+        """(out, wg, wu, x, ids, qtype, int8, step, act, bg, bu) of a glu_id group's kernel."""
         gate, up, glu = expert_glu(members)
         _, wg, x, ids, qtype = self.mul_mat_id_operands(gate, buf)
         # up None: a merged gate_up (-muge), the up rows after each expert's gate rows
         wu = self.mul_mat_id_operands(up, buf)[1] if up else None
         bg, bu = self.expert_bias(members, gate), self.expert_bias(members, up)
-        out, act, mm, fused = buf[glu.out], _act(self.fused, glu), self.mm, self.fused
+        out, mm = buf[glu.out], self.mm
         step = mm.expert_item_rows(out.shape[2], wg.shape[2], ids.shape[0], qtype)
-        int8 = mm._int8(qtype)
-        return [None] * (len(members) - 1) + [_labelled(
-            lambda: fused.glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg, bu), "MUL_MAT_ID_GLU")]
+        return out, wg, wu, x, ids, qtype, mm._int8(qtype), step, _act(self.fused, glu), bg, bu
 
-    def _bind_down_combine(self, members, buf, state):
+    def _down_combine_operands(self, members, buf):
+        """(out, w, x, ids, wts, bias, qtype, int8, step) of a down_combine group's kernel."""
         down, combine = members[0], members[-1]
         _, w, x, ids, qtype = self.mul_mat_id_operands(down, buf)
-        out, wts, mm, fused = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm, self.fused
-        bias = fused.expert_bias(self.expert_bias(members, down), w.shape[0], w.shape[1])
-        A = ids.shape[1]
-        step = mm.expert_item_rows(w.shape[1], A * w.shape[2], ids.shape[0], qtype)
-        int8, threads = mm._int8(qtype), numba.get_num_threads      # workers: the threads at call time
+        out, wts, mm = buf[combine.out], chosen_slots(combine, buf[combine.srcs[1]]), self.mm
+        bias = self.fused.expert_bias(self.expert_bias(members, down), w.shape[0], w.shape[1])
+        step = mm.expert_item_rows(w.shape[1], ids.shape[1] * w.shape[2], ids.shape[0], qtype)
+        return out, w, x, ids, wts, bias, qtype, mm._int8(qtype), step
+
+    def _bind_glu_id(self, members, buf, state):
+        args, fused = self._glu_id_operands(members, buf), self.fused
+        return [None] * (len(members) - 1) + [_labelled(lambda: fused.glu_id(*args), "MUL_MAT_ID_GLU")]
+
+    def _bind_down_combine(self, members, buf, state):
+        args, fused = self._down_combine_operands(members, buf), self.fused
+        threads = numba.get_num_threads          # workers: the threads at call time
         return [None] * (len(members) - 1) + [_labelled(
-            lambda: fused.down_combine(out, w, x, ids, wts, bias, qtype, int8, step, threads()),
-            "MUL_MAT_ID+MOE_COMBINE")]
+            lambda: fused.down_combine(*args, threads()), "MUL_MAT_ID+MOE_COMBINE")]
+
+    def _bind_expert_ffn(self, members, buf, state):
+        """glu_id, then down_combine of its output, in one parallel region (fused.expert_ffn)."""
+        n = next(i for i, m in enumerate(members) if m.op == "GLU") + 1
+        g, wg, wu, x, ids, qg, i8g, sg, act, bg, bu = self._glu_id_operands(members[:n], buf)
+        out, wd, _, _, wts, bd, qd, i8d, sd = self._down_combine_operands(members[n:], buf)
+        fused = self.fused
+        step = _labelled(lambda: fused.expert_ffn(out, g, wg, wu, wd, x, ids, wts, (qg, qd), (i8g, i8d),
+                                                  (sg, sd), act, bg, bu, bd), "EXPERT_FFN")
+        return [None] * (len(members) - 1) + [step]
 
     # -- whole blocks, one token (cpu/blocks.py) ---------------------------------------------
     def _vec_product(self, node, buf, rows=None):

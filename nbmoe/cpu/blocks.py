@@ -18,9 +18,11 @@ paths (specialize.py). Absent optional norms and biases are empty arrays.
 """
 from numba import njit
 
+from nbmoe import config
+
 from . import attention as attn
 from . import moe, ops
-from .fused import down_combine, expert_bias, glu
+from .fused import _expert_ffn, down_combine, expert_bias, glu
 from .matmul import _add_bias_rows, _mul_mat_id_vec, _products, mat_vec
 from .ops import EMPTY
 from .specialize import ConstantArgs, entry
@@ -122,6 +124,7 @@ def _moe_block_kernel(qtypes, int8s, plain_route):
     """
     qt_r, qt_gu, qt_d = qtypes
     i8_r, i8_gu, i8_d = int8s
+    one_region = config.EXPERT_FFN
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
     def moe_block(x, h, logits, ids, wts, g, f, eps, norms, biases, wr, wg, wu, up0, wd, steps,
@@ -134,9 +137,14 @@ def _moe_block_kernel(qtypes, int8s, plain_route):
             _add_bias_rows(logits[0], br, 0)
         moe.route(plain_route, ids, wts, logits, norm_topk, gating, scale, bias, n_group,
                   topk_group)                                             # [1, A]
-        _mul_mat_id_vec(g, wg, h.reshape(1, 1, h.shape[1]), ids, qt_gu, ids.size + 1, i8_gu,
-                        steps[1], wu, up0, act, bg, bu, n_workers)        # gate/up/GLU: fused.glu_id
-        down_combine(f, wd, g, ids, wts, bd, qt_d, i8_d, steps[2], n_workers)    # [1, D]
+        h3 = h.reshape(1, 1, h.shape[1])
+        if one_region:                     # gate/up/GLU, down and sum: fused.expert_ffn
+            _expert_ffn(f, g, wg, wu, up0, wd, h3, ids, wts, bg, bu, bd, (steps[1], steps[2]),
+                        act, n_workers, qt_gu, i8_gu, qt_d, i8_d)                 # [1, D]
+        else:                              # fused.glu_id, then fused.down_combine
+            _mul_mat_id_vec(g, wg, h3, ids, qt_gu, ids.size + 1, i8_gu, steps[1], wu, up0, act,
+                            bg, bu, n_workers)
+            down_combine(f, wd, g, ids, wts, bd, qt_d, i8_d, steps[2], n_workers)    # [1, D]
         _norm_if(f, post_norm, eps)
         ops.add(x, x, f)
     return moe_block

@@ -25,10 +25,11 @@ import numpy as np
 from numba import njit, prange
 
 from .matmul import (ACT_GELU, ACT_SILU, ACT_SWIGLU_OAI, NO_BIAS, _add_bias_rows, _dot_rows,  # noqa: F401
-                     _glu_rows, _mul_mat_id_vec, _prepare_x, _products, _products_kernel)
+                     _expert_rows, _glu_rows, _group_by_expert, _mul_mat_id_vec, _prepare_x,
+                     _prepare_x_row, _products, _products_kernel, _x_buffers)
 from .ops import EMPTY, PAR_MIN_ELEMS
 from .specialize import ConstantArgs, build, entry
-from .work_queue import new_queue, next_item
+from .work_queue import WORDS, counters, fetch_add, new_queue, next_item, wait_for
 
 
 # ---------------------------------------------------------------- products
@@ -145,32 +146,121 @@ def glu_halves(out, gu, act):
 def _down_combine_kernel(qtype, int8):
     @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
     def down_combine(out, w, x, ids, wts, bias, step, n_workers):
-        E, M = w.shape[0], w.shape[1]
+        M = w.shape[1]
         T, A, K = x.shape
-        sb = bias.shape[0] // E                   # bias values an expert (0: none)
         xf = x.reshape(T * A, K)
         xsum, xi = _prepare_x(xf, int8, qtype)
         queue = new_queue((M + step - 1) // step, n_workers)
         for worker in prange(n_workers):
             item = next_item(queue, worker)
             while item >= 0:
-                r0, r1 = item * step, min(M, (item + 1) * step)
-                y = np.empty(r1 - r0, np.float32)
-                for t in range(T):
-                    o = out[t, r0:r1]
-                    for a in range(A):
-                        _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
-                        if sb > 0:
-                            _add_bias_rows(y, bias, ids[t, a] * sb + r0)
-                        wa = wts[t, a]
-                        if a == 0:
-                            for i in range(r1 - r0):
-                                o[i] = wa * y[i]
-                        else:
-                            for i in range(r1 - r0):
-                                o[i] += wa * y[i]
+                _down_rows(qtype, out, w, xf, xsum, xi, int8, ids, wts, bias, item * step,
+                           min(M, (item + 1) * step))
                 item = next_item(queue, worker)
     return down_combine
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _down_rows(qtype, out, w, xf, xsum, xi, int8, ids, wts, bias, r0, r1):
+    """down_combine's item: out[t, r0:r1] for every token t."""
+    T, A = ids.shape
+    sb = bias.shape[0] // w.shape[0]              # bias values an expert (0: none)
+    y = np.empty(r1 - r0, np.float32)
+    for t in range(T):
+        o = out[t, r0:r1]
+        for a in range(A):
+            _dot_rows(qtype, y, w[ids[t, a], r0:r1], xf, t * A + a, xsum, xi, int8)
+            if sb > 0:
+                _add_bias_rows(y, bias, ids[t, a] * sb + r0)
+            wa = wts[t, a]
+            if a == 0:
+                for i in range(r1 - r0):
+                    o[i] = wa * y[i]
+            else:
+                for i in range(r1 - r0):
+                    o[i] += wa * y[i]
+
+
 down_combine = entry(_down_combine_kernel, "out, w, x, ids, wts, bias, qtype, int8, step, n_workers")
+
+
+# ---------------------------------------------------------------- expert_ffn
+# glu_id, then down_combine of its output, in one parallel region: three phases of work items,
+# each begun when every item of the one before has run (work_queue.wait_for):
+#   1. glu_id's items (expert, run of rows)  -> g [T, A, F]
+#   2. each row of g prepared for the down product's dots (as _prepare_x, one row an item)
+#   3. down_combine's items (runs of output rows) -> out [T, D]
+# Same items, same dots, same order of sums as the two kernels: the same bits. What it saves
+# is the second region's start: with threads that sleep between regions, waking them.
+
+def _expert_ffn_kernel(qt_gu, int8_gu, qt_d, int8_d):
+    @njit(parallel=True, cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def expert_ffn(out, g, wg, wu, up0, wd, x, ids, wts, bg, bu, bd, steps, act, n_workers):
+        E, F, M = wg.shape[0], g.shape[2], wd.shape[1]
+        T, X, K = x.shape
+        A = ids.shape[1]
+        order, start = _group_by_expert(ids, E)
+        xf = x.reshape(T * X, K)
+        xsum, xi = _prepare_x(xf, int8_gu, qt_gu)
+        used, n_used = _chosen_experts(start)
+        step_gu, step_d = steps
+        n_runs = (F + step_gu - 1) // step_gu
+        n1, n2 = n_used * n_runs, T * A
+        gf = g.reshape(T * A, F)
+        gsum, gi = _x_buffers(T * A, F, int8_d, qt_d)
+        q1, q2 = new_queue(n1, n_workers), new_queue(n2, n_workers)
+        q3 = new_queue((M + step_d - 1) // step_d, n_workers)
+        done = counters(2)                       # items finished: phase 1, phase 2
+        for worker in prange(n_workers):
+            item = next_item(q1, worker)
+            while item >= 0:
+                e = used[item // n_runs]
+                r0 = item % n_runs * step_gu
+                _expert_rows(qt_gu, g, wg, xf, xsum, xi, int8_gu, order, start, A, X, e, r0,
+                             min(F, r0 + step_gu), wu, up0, act, bg, bu)
+                fetch_add(done, 0, 1)
+                item = next_item(q1, worker)
+            wait_for(done, 0, n1)
+            item = next_item(q2, worker)
+            while item >= 0:
+                _prepare_x_row(gf, item, gsum, gi, int8_d, qt_d)
+                fetch_add(done, WORDS, 1)
+                item = next_item(q2, worker)
+            wait_for(done, WORDS, n2)
+            item = next_item(q3, worker)
+            while item >= 0:
+                _down_rows(qt_d, out, wd, gf, gsum, gi, int8_d, ids, wts, bd, item * step_d,
+                           min(M, (item + 1) * step_d))
+                item = next_item(q3, worker)
+    return expert_ffn
+
+
+@njit(cache=True)
+def _chosen_experts(start):
+    """The experts with pairs (start: _group_by_expert's offsets) and their count. A loop of
+    its own: an array expression in a parallel kernel is a parallel loop, a fork and join more."""
+    used = np.empty(start.shape[0] - 1, np.int64)
+    n = 0
+    for e in range(start.shape[0] - 1):
+        if start[e + 1] > start[e]:
+            used[n] = e
+            n += 1
+    return used, n
+
+
+_expert_ffn = entry(_expert_ffn_kernel, "out, g, wg, wu, up0, wd, x, ids, wts, bg, bu, bd, steps, "
+                    "act, n_workers, qt_gu, int8_gu, qt_d, int8_d")
+
+
+def expert_ffn(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act, bg=EMPTY, bu=EMPTY,
+               bd=EMPTY):
+    """out [T, D] = down_combine(glu_id(x)) with g [T, A, F] the GLU's output (written too):
+    the arguments of glu_id and down_combine, qtypes / int8s / steps per (gate-up, down)."""
+    up0 = 0
+    if wu is None:
+        wu, up0, bu = wg, g.shape[2], bg
+    bg, bu = expert_bias(bg, wg.shape[0], wg.shape[1]), expert_bias(bu, wu.shape[0], wu.shape[1])
+    bd = expert_bias(bd, wd.shape[0], wd.shape[1])
+    _expert_ffn(out, g, wg, wu, up0, wd, x, ids, wts, bg, bu, bd, (int(steps[0]), int(steps[1])),
+                act, numba.get_num_threads(), int(qtypes[0]), bool(int8s[0]), int(qtypes[1]),
+                bool(int8s[1]))

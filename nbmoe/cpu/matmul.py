@@ -150,15 +150,14 @@ def int8_path(qtype, n_tokens):
 # quants_rtr_k / quants_rtr_xs.prepare_xk.
 # The unused ones are empty.
 
-def _prepare_x_kernel(int8, qtype):
-    # the type's facts as closure constants, so that Numba prunes the other types' branches
+def _x_buffers_kernel(int8, qtype):
+    """The arrays _prepare_x fills for N rows of K (the unused ones empty)."""
     repacked = qtype in R16_TYPES
     qt = BASE.get(qtype, qtype)
     scales = int8 and (qt == Q4_1 or qt == Q5_1 or qtype == Q4_K_R16 or qtype == IQ4_XS_R16)
 
     @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
-    def prepare_x(x):
-        N, K = x.shape
+    def x_buffers(N, K):
         B = K // 32
         xsum = np.zeros((N, 0 if int8 else B), np.float32)
         xq = np.empty((N, K if int8 else 0), np.int8)
@@ -167,21 +166,50 @@ def _prepare_x_kernel(int8, qtype):
         nb = x_extra_words(qt, K) + (B if repacked else 0) if int8 else 0
         xb = np.empty((N, nb), np.int32)
         xds = np.empty((N, 2 * B if scales else 0), np.float32)
-        for n in range(N):
-            if int8:
-                quantize_x(xq[n], xd[n], xs[n], x[n])
-                prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
-                if qtype == Q4_K_R16:
-                    prepare_xk(xds[n], xd[n], xs[n])
-                elif qtype == IQ4_XS_R16:
-                    prepare_xk_xs(xds[n], xd[n])
-                if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
-                    block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
-            else:
-                for b in range(B):
-                    for i in range(32):
-                        xsum[n, b] += x[n, b * 32 + i]
         return xsum, (xq, xd, xs, xb, xds)
+    return x_buffers
+
+
+_x_buffers = entry(_x_buffers_kernel, "N, K, int8, qtype")
+
+
+def _prepare_x_row_kernel(int8, qtype):
+    """Row n of x into the arrays of _x_buffers (xsum zeroed there)."""
+    # the type's facts as closure constants, so that Numba prunes the other types' branches
+    repacked = qtype in R16_TYPES
+    qt = BASE.get(qtype, qtype)
+
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def prepare_x_row(x, n, xsum, xi):
+        xq, xd, xs, xb, xds = xi
+        if int8:
+            nb = xb.shape[1]
+            quantize_x(xq[n], xd[n], xs[n], x[n])
+            prepare_blocks(xb[n], xds[n], xq[n], xd[n], xs[n], qt)
+            if qtype == Q4_K_R16:
+                prepare_xk(xds[n], xd[n], xs[n])
+            elif qtype == IQ4_XS_R16:
+                prepare_xk_xs(xds[n], xd[n])
+            if repacked and level_bias(qt):      # IQ4_*, MXFP4: after the plain kernel's record
+                B = x.shape[1] // 32
+                block_biases(xb[n, nb - B:], xq[n], level_bias(qt))
+        else:
+            for b in range(x.shape[1] // 32):
+                for i in range(32):
+                    xsum[n, b] += x[n, b * 32 + i]
+    return prepare_x_row
+
+
+_prepare_x_row = entry(_prepare_x_row_kernel, "x, n, xsum, xi, int8, qtype")
+
+
+def _prepare_x_kernel(int8, qtype):
+    @njit(cache=True, error_model="numpy", pipeline_class=ConstantArgs)
+    def prepare_x(x):
+        xsum, xi = _x_buffers(x.shape[0], x.shape[1], int8, qtype)
+        for n in range(x.shape[0]):
+            _prepare_x_row(x, n, xsum, xi, int8, qtype)
+        return xsum, xi
     return prepare_x
 
 
@@ -466,7 +494,6 @@ def _mul_mat_id_vec_kernel(qtype, int8):
         E, M = w.shape[0], out.shape[2]
         T, X, K = x.shape
         A = ids.shape[1]
-        sg, su = bg.shape[0] // E, bu.shape[0] // E       # bias values an expert (0: none)
         order, start = _group_by_expert(ids, E)
         xf = x.reshape(T * X, K)                                  # row n = t * X + x-index
         xsum, xi = _prepare_x(xf, int8, qtype)
@@ -483,23 +510,33 @@ def _mul_mat_id_vec_kernel(qtype, int8):
             while item >= 0:
                 e = used[item // n_runs]
                 r0 = item % n_runs * step
-                r1 = min(M, r0 + step)
-                g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-                u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
-                for p in range(start[e], start[e + 1]):
-                    t, a = order[p] // A, order[p] % A
-                    n = t * X + (a if X == A else 0)
-                    o = out[t, a, r0:r1]
-                    _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
-                    if act != ACT_NONE:
-                        _dot_rows(qtype, u, wu[e, up0 + r0:up0 + r1], xf, n, xsum, xi, int8)
-                        if sg > 0:
-                            _add_bias_rows(g, bg, e * sg + r0)
-                        if su > 0:
-                            _add_bias_rows(u, bu, e * su + up0 + r0)
-                        _glu_rows(o, g, u, act)
+                _expert_rows(qtype, out, w, xf, xsum, xi, int8, order, start, A, X, e, r0,
+                             min(M, r0 + step), wu, up0, act, bg, bu)
                 item = next_item(queue, worker)
     return mul_mat_id_vec
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _expert_rows(qtype, out, w, xf, xsum, xi, int8, order, start, A, X, e, r0, r1, wu, up0, act,
+                 bg, bu):
+    """mul_mat_id_vec's item: rows r0:r1 of expert e for each of its pairs (start, order:
+    _group_by_expert's), into out [T, A, M] (act ACT_NONE) or their GLU."""
+    E = w.shape[0]
+    sg, su = bg.shape[0] // E, bu.shape[0] // E       # bias values an expert (0: none)
+    g = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+    u = np.empty(r1 - r0 if act != ACT_NONE else 0, np.float32)
+    for p in range(start[e], start[e + 1]):
+        t, a = order[p] // A, order[p] % A
+        n = t * X + (a if X == A else 0)
+        o = out[t, a, r0:r1]
+        _dot_rows(qtype, o if act == ACT_NONE else g, w[e, r0:r1], xf, n, xsum, xi, int8)
+        if act != ACT_NONE:
+            _dot_rows(qtype, u, wu[e, up0 + r0:up0 + r1], xf, n, xsum, xi, int8)
+            if sg > 0:
+                _add_bias_rows(g, bg, e * sg + r0)
+            if su > 0:
+                _add_bias_rows(u, bu, e * su + up0 + r0)
+            _glu_rows(o, g, u, act)
 
 
 _mul_mat_id_vec = entry(_mul_mat_id_vec_kernel,

@@ -13,6 +13,11 @@ advance with an atomic add, so an item is run exactly once whoever takes it.
     (eight words per worker: each counter on a cache line of its own, so the counters that
     threads advance do not bounce a shared line between cores)
 
+A region with phases (the experts' gate / up, then their down products, which read all of
+the first phase's output) counts each finished item and waits for the count between phases
+(wait_for): a worker that waits has found every item of the phase taken, and a taken item is
+being run, so the wait ends whatever the assignment of workers to threads.
+
 Usage (W = numba.get_num_threads(), passed in from Python: called inside a kernel it makes
 the kernel uncacheable, as Numba embeds a pointer for it; prange gives each worker index to
 one thread, and with any other assignment every item still runs once):
@@ -24,9 +29,15 @@ one thread, and with any other assignment every item still runs once):
             ...                                   # run the item
             item = next_item(queue, w)
 """
+import platform
+
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
+
+from nbmoe import config
 
 WORDS = 8   # int64 words per worker: 64 bytes
 
@@ -51,6 +62,13 @@ def new_queue(n_items, n_workers):
     return queue
 
 
+@njit(cache=True)
+def counters(n):
+    """n zeroed counters for fetch_add / wait_for, a cache line each (made outside the parallel
+    kernel: there np.zeros would be a parallel loop of its own, a fork and join more)."""
+    return np.zeros(n * WORDS, np.int64)
+
+
 @njit(cache=True, inline="always")
 def next_item(queue, worker):
     """The next item for `worker`: from its own share while any is left, then from the
@@ -66,3 +84,52 @@ def next_item(queue, worker):
             return item
     queue[worker * WORDS + 2] = n_workers
     return -1
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@intrinsic
+def load_acquire(typingctx, arr, i):
+    """arr[i] read as an atomic load (acquire): a loop that polls it reads memory each time,
+    without taking the line from the writers as a read-modify-write would (int64 arrays)."""
+    def codegen(context, b, sig, args):
+        a = context.make_array(sig.args[0])(context, b, args[0])
+        v = b.load_atomic(b.gep(a.data, [args[1]]), "acquire", 8)
+        return v
+    return types.int64(arr, types.int64), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The spin-wait hint (x86 PAUSE: the core yields to its sibling thread); nothing elsewhere."""
+    def codegen(context, b, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            b.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _usleep(typingctx, us):
+    """libc's usleep(us): the core goes idle, so the scheduler can bring a waiting thread there."""
+    def codegen(context, b, sig, args):
+        fn = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]), "usleep")
+        return b.call(fn, [b.trunc(args[0], ir.IntType(32))])
+    return types.int32(us), codegen
+
+
+@njit(cache=True)
+def wait_for(counter, i, n):
+    """Until counter[i] (advanced by fetch_add) reaches n: polls, then sleeps between looks,
+    so that a waiter does not hold a core that a descheduled worker needs."""
+    polls = 0
+    while load_acquire(counter, i) < n:
+        if polls < config.PHASE_POLLS:
+            _pause()
+            polls += 1
+        else:
+            _usleep(20)

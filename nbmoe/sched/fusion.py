@@ -13,6 +13,8 @@ intermediate results nobody else reads; kinds (nbmoe/cuda/fused.py has the kerne
                 its two halves
   down_combine  MUL_MAT_ID down, [ADD_BIAS_ID], MOE_COMBINE of its output         T <= 8
   down_combine_add  the same, then the residual ADD x = x + combined             T <= 8
+  expert_ffn    a glu_id group, then the down_combine of its output (one parallel  T <= 8
+                region on the CPU: the second region's fork and join saved)
   product_add   MUL_MAT, [ADD_BIAS], then the residual ADD x = x + its output    T <= 8
                 (o, down)
   norm_route    RMS_NORM x -> h, the router MUL_MAT of h, [ADD_BIAS], TOPK_MOE     T = 1
@@ -43,6 +45,7 @@ BLOCKS = True
 KINDS = ("products", "glu", "glu_id", "down_combine", "rope_attn")
 # Kinds a backend offers beyond KINDS (the CUDA backend's; see backend_cuda.fuse_kinds).
 ADD_KINDS = ("down_combine_add", "product_add", "norm_route", "mla_rope")
+CPU_KINDS = ("expert_ffn",)      # the CPU backend's
 BLOCK_KINDS = ("attn_block", "ffn_block", "moe_block")
 
 # The variants the fused kernels compute, per backend kind and op: every member of a group must
@@ -168,7 +171,14 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
         glu = at(len(run))
         if (glu is not None and glu.op == "GLU" and glu.backend == backend
                 and glu.srcs == tuple(p.out for p in prods)):
-            return "glu_id", run + [glu]
+            run = run + [glu]
+            down = at(len(run))
+            if ("expert_ffn" in kinds and down is not None and down.srcs == (glu.out, n0.srcs[1])
+                    and _product(down, "MUL_MAT_ID", backend, vec_ok)):
+                tail = _down_combine(nodes, i + len(run), backend)
+                if tail is not None:
+                    return "expert_ffn", run + tail
+            return "glu_id", run
     # products of one input, each [with its bias]
     if T == 1 and _product(n0, "MUL_MAT", backend, vec_ok):
         run, n = biased(0), 1
@@ -178,13 +188,11 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
             return "products", run
     # expert down product [and its bias], the weighted sum [and the residual add]
     if T <= max_t and _product(n0, "MUL_MAT_ID", backend, vec_ok):
-        run = _with_biases(nodes, i + 1, [n0])
-        comb, nxt = at(len(run)), at(len(run) + 1)
-        if (comb is not None and comb.op == "MOE_COMBINE" and comb.backend == backend
-                and comb.srcs[0] == n0.out):
-            if "down_combine_add" in kinds and residual_add(nxt, comb.out):
-                return "down_combine_add", run + [comb, nxt]
-            return "down_combine", run + [comb]
+        run = _down_combine(nodes, i, backend)
+        if run is not None:
+            if "down_combine_add" in kinds and residual_add(at(len(run)), run[-1].out):
+                return "down_combine_add", run + [at(len(run))]
+            return "down_combine", run
     # a product [and its bias] added to the residual stream (attention output, dense FFN down)
     if "product_add" in kinds and T <= max_t and _product(n0, "MUL_MAT", backend, vec_ok):
         run = biased(0)
@@ -193,6 +201,18 @@ def _match(nodes, i, backend, T, vec_ok, max_t, wtype, kinds=KINDS, route_ok=Non
     if "mla_rope" in kinds and _is_mla_rope(nodes[i:i + 3], backend):
         return "mla_rope", nodes[i:i + 3]
     return _match_rope_attn(nodes, i, backend)
+
+
+def _down_combine(nodes, i, backend):
+    """The expert down product at nodes[i], [its bias], and the MOE_COMBINE of its output on
+    backend, or None."""
+    run = _with_biases(nodes, i + 1, [nodes[i]])
+    j = i + len(run)
+    comb = nodes[j] if j < len(nodes) else None
+    if (comb is not None and comb.op == "MOE_COMBINE" and comb.backend == backend
+            and comb.srcs[0] == nodes[i].out):
+        return run + [comb]
+    return None
 
 
 def _is_mla_rope(run, backend):
