@@ -363,8 +363,21 @@ def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
     experts = [t for t in GGUFReader(path).tensors if "_exps" in t.name]
     assert len(experts) == 6
     assert got["bytes_per_token"] == sum(int(t.n_bytes) for t in experts) * 2 // 4
-    assert got["glu_s"] > 0 and got["down_s"] > 0 and got["read_gbs"] > 0
-    assert "of the read" in capsys.readouterr().out
+    assert got["glu_s"] > 0 and got["down_s"] > 0 and got["one_s"] > 0 and got["read_gbs"] > 0
+    assert "of the read (fused.expert_ffn)" in capsys.readouterr().out
+
+
+def test_expert_region_ab_times_both_forms(capsys):
+    """tools/expert_region_ab.py: two regions against one, each form's median a call."""
+    import expert_region_ab
+    threads = numba.get_num_threads()
+    try:
+        got = expert_region_ab.main(["-t", "1", "--experts", "2", "--gap-us", "0", "--rounds", "1",
+                                     "--calls", "2"])
+    finally:
+        numba.set_num_threads(threads)
+    assert len(got) == 1 and got[0]["two regions"] > 0 and got[0]["one region"] > 0
+    assert "one region" in capsys.readouterr().out
 
 
 def test_read_buffer_outsizes_the_cache():

@@ -10,6 +10,8 @@ layer, with random routing (A distinct experts a token), and reports microsecond
 and the expert bytes read a second, against the streaming read measured in the same run at
 the same thread count (cpu/membw). The gap between the two is what the kernels leave on the
 table; the GPU's part and the turn-taking are not in it (tools/hybrid_trace.py has those).
+The same products as one parallel region (fused.expert_ffn, what decoding runs) are timed
+beside them, layer by layer, in alternating order: the second region's wake-up is the gap.
 """
 import argparse
 import time
@@ -65,17 +67,26 @@ def main(argv=None):
     glu_bytes = sum(A * (w[0].nbytes + w[1].nbytes) // E for w in lay)   # a token's
     down_bytes = sum(A * w[2].nbytes // E for w in lay)
     per_token = glu_bytes + down_bytes
-    t_glu = t_down = 0.0
+    t_glu = t_down = t_one = 0.0
     for tok in range(a.tokens + 2):                 # the first two warm up, untimed
         for wg, wu, wd, qt, qd in lay:
             ids = rng.choice(E, A, replace=False).astype(np.int32).reshape(1, A)
-            t0 = time.perf_counter()
-            fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
-            t1 = time.perf_counter()
-            fused.down_combine(out, wd, g, ids, wts, fused.EMPTY, qd, int8_down, step_d, numba.get_num_threads())
-            t2 = time.perf_counter()
-            if tok >= 2:
-                t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1
+            for one in ((False, True) if tok % 2 else (True, False)):
+                t0 = time.perf_counter()
+                if one:
+                    fused.expert_ffn(out, g, wg, wu, wd, x, ids, wts, (qt, qd), (int8, int8_down),
+                                     (step_g, step_d), fused.ACT_SILU)
+                    t1 = t2 = time.perf_counter()
+                else:
+                    fused.glu_id(g, wg, wu, x, ids, qt, int8, step_g, fused.ACT_SILU)
+                    t1 = time.perf_counter()
+                    fused.down_combine(out, wd, g, ids, wts, fused.EMPTY, qd, int8_down, step_d,
+                                       numba.get_num_threads())
+                    t2 = time.perf_counter()
+                if tok >= 2 and one:
+                    t_one += t2 - t0
+                elif tok >= 2:
+                    t_glu, t_down = t_glu + t1 - t0, t_down + t2 - t1
     n = a.tokens
     if n == 0:                                   # -n 0: compile and warm only
         return None
@@ -90,7 +101,10 @@ def main(argv=None):
           f"{down_bytes / (t_down / n) / 1e9:6.1f} GB/s")
     print(f"token         {total * 1e3:7.2f} ms  {per_token / 1e6:.1f} MB  "
           f"{per_token / total / 1e9:6.1f} GB/s = {per_token / total / 1e9 / bw:.0%} of the read")
-    return dict(bytes_per_token=per_token, glu_s=t_glu / n, down_s=t_down / n, read_gbs=bw)
+    one = t_one / n
+    print(f"one region    {one * 1e3:7.2f} ms  {per_token / one / 1e9:6.1f} GB/s = "
+          f"{per_token / one / 1e9 / bw:.0%} of the read (fused.expert_ffn)")
+    return dict(bytes_per_token=per_token, glu_s=t_glu / n, down_s=t_down / n, one_s=one, read_gbs=bw)
 
 
 if __name__ == "__main__":
