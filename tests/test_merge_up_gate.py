@@ -48,7 +48,7 @@ def test_merged_equals_split(tiny_model):
         assert all(n.srcs == ("exp_gate_up",) for n in glu)
         assert all((n.policy_op == "MUL_MAT_ID_GLU") == fmoe for n in glu)
         if fmoe:      # the fused kernels take the merged weight
-            assert {"MUL_MAT_ID_GLU", "MOE_BLOCK"} <= labels(llm)
+            assert {"EXPERT_FFN", "MOE_BLOCK"} <= labels(llm)
         # matrix-vector: the same row dots, bit for bit; the batch: BLAS over 2F rows at once
         n = len(PROMPT) + 1
         assert np.array_equal(got[:n], split[:n])

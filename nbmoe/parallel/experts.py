@@ -15,7 +15,6 @@ none of this share's experts).
 """
 import hashlib
 
-import numba
 import numpy as np
 
 from nbmoe.backends.cpu import GLU_KERNELS
@@ -96,13 +95,11 @@ class ExpertShare:
         g = np.empty((P, 1, F), np.float32)
         fused = (P <= self.backend.max_vec_t and self.act is not None and qg == qu
                  and FUSED_SUPPORT["CPU"]["GLU"](_Glu(self.cfg)))
-        if fused:      # as the CPU backend's glu_id and down_combine groups (biases included)
-            step = mm.expert_item_rows(F, wg.shape[2], P, qg)
-            self.fused.glu_id(g, wg, wu, x, ids, qg, mm._int8(qg), step, self.act, bg, bu)
+        if fused:      # as the CPU backend's expert_ffn group (biases included): one region
+            steps = (mm.expert_item_rows(F, wg.shape[2], P, qg), mm.expert_item_rows(D, wd.shape[2], P, qd))
             y = np.empty((P, D), np.float32)
-            step = mm.expert_item_rows(D, wd.shape[2], P, qd)
-            bd = self.fused.expert_bias(bd, wd.shape[0], D)
-            self.fused.down_combine(y, wd, g, ids, w, bd, qd, mm._int8(qd), step, numba.get_num_threads())
+            self.fused.expert_ffn(y, g, wg, wu, wd, x, ids, w, (qg, qd), (mm._int8(qg), mm._int8(qd)),
+                                  steps, self.act, bg, bu, bd)
             return y
         u = np.empty((P, 1, F), np.float32)
         self._product(g, wg, x, ids, qg, bg)
