@@ -367,9 +367,12 @@ def test_bench_moe_cpu_times_the_chosen_experts(tiny_model, capsys):
     assert "of the read (fused.expert_ffn)" in capsys.readouterr().out
 
 
-def test_expert_region_ab_times_both_forms(capsys):
-    """tools/expert_region_ab.py: two regions against one, each form's median a call."""
+def test_expert_region_ab_times_both_forms(capsys, monkeypatch):
+    """tools/expert_region_ab.py: two regions against one, each form's median a call (smaller
+    experts than DeepSeek-V2-Lite's, to quantize them quickly)."""
     import expert_region_ab
+    for name, value in (("E", 8), ("D", 256), ("F", 128)):
+        monkeypatch.setattr(expert_region_ab, name, value)
     threads = numba.get_num_threads()
     try:
         got = expert_region_ab.main(["-t", "1", "--experts", "2", "--gap-us", "0", "--rounds", "1",
