@@ -364,7 +364,8 @@ def _decode_split(out, q, k_cache, v_cache, pos0, scale, window, sinks):
         if sinks.shape[0] > 0:
             m = max(m, sinks[h])
         o = out[0, h]
-        o[:] = 0.0
+        for i in range(Dh):     # a loop: a slice assignment here would be a parallel region a head
+            o[i] = 0.0
         tot = np.float32(0.0)
         for p in range(P):
             f = exp_f32(ml[p, g, r, 0] - m)
