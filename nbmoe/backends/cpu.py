@@ -11,6 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from nbmoe import config
+from nbmoe.sched import fusion
 
 
 def _rows2d(a):
@@ -307,7 +308,7 @@ GATING_CODES = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 class CPUBackend(Backend):
     name = "CPU"
     fuse_kinds = ("products", "glu", "glu_id", "down_combine", "attn_block", "ffn_block",
-                  "moe_block") + (("expert_ffn",) if config.EXPERT_FFN else ())
+                  "moe_block") + (fusion.CPU_KINDS if config.EXPERT_FFN else ())
 
     def __init__(self, tensors, repacked=None, flash_attn="auto"):
         super().__init__(tensors, flash_attn)

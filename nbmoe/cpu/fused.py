@@ -86,12 +86,18 @@ def glu_id(out, wg, wu, x, ids, qtype, int8, step, act, bg=EMPTY, bu=EMPTY):
     """out [T, A, F] = act(x @ Wg[e]^T + bg[e]) * (x @ Wu[e]^T + bu[e]), e = ids[t, a].
     wu None: wg is merged (-muge), expert e's gate rows then its up rows from up0 = F, and
     bg its merged bias [E, 2F] likewise (bu unused)."""
-    up0 = 0
-    if wu is None:
-        wu, up0, bu = wg, out.shape[2], bg
-    bg, bu = expert_bias(bg, wg.shape[0], wg.shape[1]), expert_bias(bu, wu.shape[0], wu.shape[1])
+    wu, up0, bg, bu = _gate_up(wg, wu, bg, bu, out.shape[2])
     _mul_mat_id_vec(out, wg, x, ids, qtype, ids.size + 1, int8, step, wu, up0, act, bg, bu,
                     numba.get_num_threads())
+
+
+def _gate_up(wg, wu, bg, bu, F):
+    """(wu, up0, bg, bu) as the expert kernels take them: wu None (merged, -muge) reads the up
+    rows from row F of wg and their bias from row F of bg; biases flat (expert_bias)."""
+    up0 = 0
+    if wu is None:
+        wu, up0, bu = wg, F, bg
+    return wu, up0, expert_bias(bg, wg.shape[0], wg.shape[1]), expert_bias(bu, wu.shape[0], wu.shape[1])
 
 
 def expert_bias(b, E, M):
@@ -256,10 +262,7 @@ def expert_ffn(out, g, wg, wu, wd, x, ids, wts, qtypes, int8s, steps, act, bg=EM
                bd=EMPTY):
     """out [T, D] = down_combine(glu_id(x)) with g [T, A, F] the GLU's output (written too):
     the arguments of glu_id and down_combine, qtypes / int8s / steps per (gate-up, down)."""
-    up0 = 0
-    if wu is None:
-        wu, up0, bu = wg, g.shape[2], bg
-    bg, bu = expert_bias(bg, wg.shape[0], wg.shape[1]), expert_bias(bu, wu.shape[0], wu.shape[1])
+    wu, up0, bg, bu = _gate_up(wg, wu, bg, bu, g.shape[2])
     bd = expert_bias(bd, wd.shape[0], wd.shape[1])
     _expert_ffn(out, g, wg, wu, up0, wd, x, ids, wts, bg, bu, bd, (int(steps[0]), int(steps[1])),
                 act, numba.get_num_threads(), int(qtypes[0]), bool(int8s[0]), int(qtypes[1]),
